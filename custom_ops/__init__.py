@@ -1,0 +1,20 @@
+"""`torch.ops.dmuon`: the project's custom ops, one per file, each in the op registry.
+
+Importing this package registers every op. Layering: this package imports torch only.
+"""
+
+from . import gram_ns_step as _gram_ns_step  # noqa: F401  (each import registers its op)
+from . import ns_step as _ns_step  # noqa: F401
+from . import syrk as _syrk  # noqa: F401
+from ._kernels import KERNELS, describe, kernel_names, resolve_kernel
+from ._registry import OpSpec, register_op, registered_ops
+
+__all__ = [
+    "KERNELS",
+    "OpSpec",
+    "describe",
+    "kernel_names",
+    "register_op",
+    "registered_ops",
+    "resolve_kernel",
+]

@@ -1,0 +1,221 @@
+"""SYRK kernels: the symmetric-output products behind `dmuon::syrk` and the Newton-Schulz steps.
+
+Every kernel computes `alpha·A·B + beta·C` for a product that is known to be symmetric
+(`B = Aᵀ` for SYRK, or two commuting symmetric matrices in the Gram iteration). Where it saves
+FLOPs by computing only the upper triangle (reading only C's upper triangle), it mirrors that
+triangle, so the result is exactly symmetric; where one full GEMM is faster (small or square
+operands), the result is that GEMM's, symmetric to rounding.
+
+Kernels are plain data in `KERNELS`; which one runs is resolved per device by `resolve_kernel`:
+explicit name > `DMUON_NS_KERNEL` > the device's auto ladder. Nothing here holds a mutable
+"active kernel": the resolved name travels as an argument of every op call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ENV_VAR = "DMUON_NS_KERNEL"
+
+# Strips of the CPU triangle product, by measurement (examples/benchmarks/bench_syrk.py,
+# BENCHMARKS.md): below 512 rows, or below 1024 rows with a short inner dim, one full GEMM wins;
+# long inner dims (k >= 2n, SYRK of a wide X) amortize the mirror over more strips.
+_CPU_MIN_N = 512
+# Tile edge of the lower-triangle mirror: diagonal tiles are symmetrized through temporaries.
+_MIRROR_BLOCK = 256
+
+
+def _cpu_blocks(n: int, k: int) -> int:
+    if n < _CPU_MIN_N:
+        return 1
+    wide = k >= 2 * n
+    if n < 1024:
+        return 4 if wide else 1
+    return 8 if wide else 4
+
+
+def _as_batched(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _mirror_upper_(out: Tensor, bounds: list[int]) -> Tensor:
+    """Copy the upper triangle of `out` (..., n, n) onto its lower triangle, in place."""
+    for r0, r1 in itertools.pairwise(bounds):
+        diag = out[..., r0:r1, r0:r1]
+        diag.copy_(diag.triu() + diag.triu(1).mT)
+        if r1 < out.shape[-1]:
+            out[..., r1:, r0:r1].copy_(out[..., r0:r1, r1:].mT)
+    return out
+
+
+def _strip_bounds(n: int, blocks: int) -> list[int]:
+    return [(i * n) // blocks for i in range(blocks + 1)]
+
+
+def _triangle_product(
+    A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
+) -> Tensor:
+    """alpha·A·B + beta·C: the upper block-triangle by row strips, mirrored (exactly symmetric);
+    with one strip, a single GEMM (symmetric to rounding).
+
+    Strip i computes rows [r0, r1) against columns [r0, n): blocks·(blocks+1)/2 of blocks² tiles,
+    i.e. (blocks+1)/(2·blocks) of the full product's FLOPs, in `blocks` large GEMMs.
+    """
+    lead = A.shape[:-2]
+    n = A.shape[-2]
+    if alpha == 0.0:
+        # torch 2.13's CPU bf16 baddbmm returns garbage for alpha=0; the product is not needed.
+        out = torch.zeros((*lead, n, n), dtype=A.dtype, device=A.device)
+        if C is not None and beta != 0.0:
+            out = beta * C.triu()
+            out = out + out.triu(1).mT
+        return out
+    A3, B3 = _as_batched(A), _as_batched(B)
+    C3 = _as_batched(C) if C is not None and beta != 0.0 else None
+    out = torch.empty(A3.shape[0], n, n, dtype=A.dtype, device=A.device)
+    if blocks == 1:
+        # One GEMM computes both triangles: symmetric to rounding, and mirroring would cost
+        # ~1 ns per element (a third of a 768² bf16 GEMM), so it is left as computed.
+        if A3.shape[0] > 1:
+            _gemm(A3, B3, C3, alpha, beta, out)
+        else:
+            _gemm(A3[0], B3[0], None if C3 is None else C3[0], alpha, beta, out[0])
+        return out.reshape(*lead, n, n)
+    # Strips go through 2-D GEMMs: bmm on a sliced transposed operand copies it (measured 2.3x
+    # slower at 1024×4096); BLAS takes the 2-D view as it is.
+    bounds = _strip_bounds(n, blocks)
+    for i in range(A3.shape[0]):
+        for r0, r1 in itertools.pairwise(bounds):
+            c = None if C3 is None else C3[i, r0:r1, r0:]
+            _gemm(A3[i, r0:r1, :], B3[i, :, r0:], c, alpha, beta, out[i, r0:r1, r0:])
+    _mirror_upper_(out, _strip_bounds(n, max(1, n // _MIRROR_BLOCK)))
+    return out.reshape(*lead, n, n)
+
+
+def _gemm(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, out: Tensor) -> None:
+    """out ← alpha·a·b + beta·c (2-D or 3-D), the add inside the GEMM's fp32 accumulation."""
+    mm, addmm = (torch.mm, torch.addmm) if a.dim() == 2 else (torch.bmm, torch.baddbmm)
+    if c is not None:
+        addmm(c, a, b, beta=beta, alpha=alpha, out=out)
+    else:
+        mm(a, b, out=out)
+        if alpha != 1.0:
+            out.mul_(alpha)
+
+
+def cpu_blocked(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    return _triangle_product(A, B, C, alpha, beta, _cpu_blocks(A.shape[-2], A.shape[-1]))
+
+
+def full_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """The whole product with one GEMM, then the upper triangle mirrored (no FLOP saving)."""
+    return _triangle_product(A, B, C, alpha, beta, 1)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A symmetric-product kernel.
+
+    name: what `kernel=` and `DMUON_NS_KERNEL` accept.
+    device_types: device types it runs on.
+    description: what `get_ns_backend()` prints about it.
+    sym_mm: (A, B, C, alpha, beta) -> alpha·A·B + beta·C, symmetric.
+    available: device -> (ok, reason when not ok).
+    """
+
+    name: str
+    device_types: tuple[str, ...]
+    description: str
+    sym_mm: Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
+    available: Callable[[torch.device], tuple[bool, str]]
+
+
+def _on(*types: str) -> Callable[[torch.device], tuple[bool, str]]:
+    def check(device: torch.device) -> tuple[bool, str]:
+        if device.type in types:
+            return True, ""
+        return False, f"runs on {'/'.join(types)} only, not {device.type}"
+
+    return check
+
+
+def _cuda_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"SM{major}{minor}"
+
+
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        Kernel(
+            "cpu_syrk",
+            ("cpu",),
+            "blocked upper-triangle GEMM strips",
+            cpu_blocked,
+            _on("cpu"),
+        ),
+        Kernel(
+            "cublas",
+            ("cuda",),
+            "universal fallback, full GEMM",
+            full_mm,
+            _on("cuda"),
+        ),
+        Kernel(
+            "torch_mm",
+            ("cpu", "cuda", "meta"),
+            "full GEMM through torch.matmul, no symmetry saving",
+            full_mm,
+            lambda device: (True, ""),
+        ),
+    )
+}
+
+# The auto ladder per device type: the first available kernel wins.
+_AUTO_LADDER: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu_syrk",),
+    "cuda": ("cublas",),
+}
+
+
+def kernel_names() -> list[str]:
+    return sorted(KERNELS)
+
+
+def resolve_kernel(name: str | None, device: torch.device | str) -> Kernel:
+    """The kernel that will run on `device`: explicit `name` > $DMUON_NS_KERNEL > auto ladder.
+
+    Raises ValueError for an unknown name and RuntimeError for a known kernel that cannot run
+    on this device; a requested kernel is never silently replaced by another.
+    """
+    device = torch.device(device)
+    requested = name if name not in (None, "auto") else os.environ.get(ENV_VAR) or None
+    source = "kernel=" if name not in (None, "auto") else f"${ENV_VAR}"
+    if requested is None or requested == "auto":
+        for candidate in _AUTO_LADDER.get(device.type, ("torch_mm",)):
+            kernel = KERNELS[candidate]
+            if kernel.available(device)[0]:
+                return kernel
+        return KERNELS["torch_mm"]
+    if requested not in KERNELS:
+        raise ValueError(
+            f"unknown NS kernel {requested!r} (from {source}); valid kernels: "
+            f"{', '.join(['auto', *kernel_names()])}"
+        )
+    kernel = KERNELS[requested]
+    ok, why = kernel.available(device)
+    if not ok:
+        raise RuntimeError(f"NS kernel {requested!r} (from {source}) cannot run here: {why}")
+    return kernel
+
+
+def describe(kernel: Kernel, device: torch.device | str) -> str:
+    device = torch.device(device)
+    where = _cuda_arch(device) if device.type == "cuda" else device.type.upper()
+    return f"kernel={kernel.name} ({where}, {kernel.description})"

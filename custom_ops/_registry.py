@@ -1,0 +1,46 @@
+"""The registry of every `torch.ops.dmuon` op and its sample inputs.
+
+Each op file calls `register_op` once, right after defining the op. The single contract test
+(`tests/test_op_contract.py`) walks this registry, so an op is covered by `opcheck`,
+FakeTensorMode and `torch.compile(fullgraph=True)` the moment it is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+Sample = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One registered op.
+
+    name: qualified name, e.g. "dmuon::syrk".
+    op: the `torch.ops.dmuon.<name>` overload packet.
+    samples: returns fresh (args, kwargs) pairs covering the op's cases (dtypes, batching,
+        optional arguments). Called anew for every check so no check sees another's tensors.
+    differentiable: whether an autograd formula is registered (else the op file says why not).
+    """
+
+    name: str
+    op: Callable[..., Any]
+    samples: Callable[[], Iterable[Sample]]
+    differentiable: bool
+
+
+_REGISTRY: dict[str, OpSpec] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"op {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def registered_ops() -> list[OpSpec]:
+    """All registered ops, sorted by name."""
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]

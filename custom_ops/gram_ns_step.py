@@ -1,0 +1,86 @@
+"""dmuon::gram_ns_step — one Newton-Schulz step carried out in Gram space.
+
+With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every Q_k and R_k is a polynomial in R_0, so all the
+products below are of commuting symmetric matrices: symmetric, computed as SYRK-style triangles.
+The step polynomial is P = a·I + Z with Z = b·R + c·R², and Q is carried as q·I + Q_z: the
+identity parts stay exact Python floats and enter each product through the GEMM's fp32 `beta`
+accumulation. Materializing P = a·I + Z in bf16 would round its dominant diagonal at 2⁻⁸·a and
+wash out the information in Z (measured: a rank-1-plus-noise 32×256 matrix then diverges to
+σ_max = 126; kept apart, it stays at the standard iteration's error).
+
+    Z    = b·R + c·R²                       (syrk of R with C = R)
+    Q_z' = Z·Q_z + a·Q_z + q·Z              (q·Z when Q_z is None, i.e. Q = q·I)
+    R'   = Z·T + a·T,  T = Z·R + a·R        (P·R·P; only when `update_r`)
+so that Q' = (a·q)·I + Q_z'. R: (..., n, n); Q_z: (..., n, n) or None. Returns (Q_z', R'); when
+`update_r` is False R' is a (..., 0, 0) placeholder, since the last step of a segment never uses it.
+
+No autograd: like dmuon::ns_step, this computes an optimizer update and is never differentiated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._kernels import resolve_kernel
+from ._registry import OpSpec, register_op
+
+
+def _check(R: Tensor, Qz: Tensor | None) -> None:
+    if R.dim() < 2 or R.shape[-2] != R.shape[-1]:
+        raise ValueError(f"gram_ns_step: R must be (..., n, n), got {tuple(R.shape)}")
+    if Qz is not None and (Qz.shape != R.shape or Qz.dtype != R.dtype):
+        raise ValueError(
+            f"gram_ns_step: Qz must match R ({tuple(R.shape)} {R.dtype}), "
+            f"got {tuple(Qz.shape)} {Qz.dtype}"
+        )
+
+
+@torch.library.custom_op("dmuon::gram_ns_step", mutates_args=())
+def gram_ns_step(
+    R: Tensor,
+    Qz: Tensor | None,
+    a: float,
+    b: float,
+    c: float,
+    q: float = 1.0,
+    update_r: bool = True,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    _check(R, Qz)
+    sym_mm = resolve_kernel(impl, R.device).sym_mm
+    Z = sym_mm(R, R, R, c, b)
+    Qz_next = (Z * q if q != 1.0 else Z) if Qz is None else sym_mm(Z, Qz, a * Qz + q * Z, 1.0, 1.0)
+    if update_r:
+        T = sym_mm(Z, R, R, 1.0, a)
+        R_next = sym_mm(Z, T, T, 1.0, a)
+    else:
+        R_next = R.new_empty((*R.shape[:-2], 0, 0))
+    return Qz_next, R_next
+
+
+@gram_ns_step.register_fake
+def _(R, Qz, a, b, c, q=1.0, update_r=True, impl="auto"):
+    _check(R, Qz)
+    r_shape = R.shape if update_r else (*R.shape[:-2], 0, 0)
+    return R.new_empty(R.shape), R.new_empty(r_shape)
+
+
+def _samples():
+    g = torch.Generator().manual_seed(2)
+
+    def gram(*shape, dtype=torch.float32):
+        x = torch.randn(*shape, generator=g)
+        x = x / x.norm(dim=(-2, -1), keepdim=True)
+        return (x @ x.mT).to(dtype)
+
+    R = gram(8, 20)
+    yield (R, None, 3.4445, -4.7750, 2.0315), {}
+    yield (R, gram(8, 9) * 1.5, 3.4445, -4.7750, 2.0315), {"q": 2.5, "update_r": False}
+    yield (gram(3, 12, 30), None, 2.0, -1.5, 0.5), {"q": 0.5}
+    yield (gram(600, 700, dtype=torch.bfloat16), None, 3.4445, -4.7750, 2.0315), {}
+
+
+register_op(
+    OpSpec("dmuon::gram_ns_step", torch.ops.dmuon.gram_ns_step, _samples, differentiable=False)
+)

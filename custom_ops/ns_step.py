@@ -1,0 +1,57 @@
+"""dmuon::ns_step — one standard quintic Newton-Schulz step on SYRK.
+
+X: (..., n, m) with n <= m (the caller transposes tall matrices).
+    A  = X·Xᵀ                     (syrk)
+    B  = b·A + c·A²               (syrk of the symmetric A, with C = A)
+    X' = a·X + B·X                (one full GEMM)
+Returns X' (..., n, m) in X's dtype.
+
+No autograd: the step computes an optimizer update, applied under no_grad; nothing
+differentiates through it (gradients of the reference math are plain torch ops).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._kernels import resolve_kernel
+from ._registry import OpSpec, register_op
+
+
+def _check(X: Tensor) -> None:
+    if X.dim() < 2 or X.shape[-2] > X.shape[-1]:
+        raise ValueError(f"ns_step: X must be (..., n, m) with n <= m, got {tuple(X.shape)}")
+
+
+@torch.library.custom_op("dmuon::ns_step", mutates_args=())
+def ns_step(X: Tensor, a: float, b: float, c: float, impl: str = "auto") -> Tensor:
+    _check(X)
+    sym_mm = resolve_kernel(impl, X.device).sym_mm
+    A = sym_mm(X, X.mT, None, 1.0, 0.0)
+    B = sym_mm(A, A, A, c, b)
+    return torch.baddbmm(
+        X.reshape(-1, *X.shape[-2:]),
+        B.reshape(-1, *B.shape[-2:]),
+        X.reshape(-1, *X.shape[-2:]),
+        beta=a,
+    ).reshape(X.shape)
+
+
+@ns_step.register_fake
+def _(X, a, b, c, impl="auto"):
+    _check(X)
+    return torch.empty_like(X)
+
+
+def _samples():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 24, generator=g)
+    yield (x / x.norm(), 3.4445, -4.7750, 2.0315), {}
+    x = torch.randn(2, 3, 16, 16, generator=g)
+    yield (x / x.norm(dim=(-2, -1), keepdim=True), 2.0, -1.5, 0.5), {}
+    x = torch.randn(520, 530, generator=g)  # big enough for the blocked CPU strips
+    yield ((x / x.norm()).bfloat16(), 3.4445, -4.7750, 2.0315), {}
+
+
+register_op(OpSpec("dmuon::ns_step", torch.ops.dmuon.ns_step, _samples, differentiable=False))

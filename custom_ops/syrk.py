@@ -1,0 +1,80 @@
+"""dmuon::syrk — alpha·A·Aᵀ + beta·C with an exactly symmetric result.
+
+A: (..., n, k); C: (..., n, n), must be symmetric (kernels that compute one triangle read only
+its upper triangle). Returns (..., n, n) in A's dtype: exactly symmetric where the kernel computes
+a triangle and mirrors it, symmetric to rounding where one full GEMM was faster. `impl` names a
+kernel of `custom_ops._kernels.KERNELS` ("auto" resolves per device, honouring $DMUON_NS_KERNEL).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._kernels import resolve_kernel
+from ._registry import OpSpec, register_op
+
+
+def _check(A: Tensor, C: Tensor | None) -> None:
+    if A.dim() < 2:
+        raise ValueError(f"syrk: A must have at least 2 dims, got shape {tuple(A.shape)}")
+    if C is not None:
+        n = A.shape[-2]
+        if C.shape != (*A.shape[:-2], n, n) or C.dtype != A.dtype:
+            raise ValueError(
+                f"syrk: C must be {(*A.shape[:-2], n, n)} {A.dtype}, got {tuple(C.shape)} {C.dtype}"
+            )
+
+
+@torch.library.custom_op("dmuon::syrk", mutates_args=())
+def syrk(
+    A: Tensor, C: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, impl: str = "auto"
+) -> Tensor:
+    _check(A, C)
+    return resolve_kernel(impl, A.device).sym_mm(A, A.mT, C, alpha, beta)
+
+
+@syrk.register_fake
+def _(A, C=None, alpha=1.0, beta=0.0, impl="auto"):
+    _check(A, C)
+    n = A.shape[-2]
+    return A.new_empty((*A.shape[:-2], n, n))
+
+
+def _setup_context(ctx, inputs, output):
+    A, C, alpha, beta, _ = inputs
+    ctx.save_for_backward(A)
+    ctx.alpha, ctx.beta, ctx.has_c = alpha, beta, C is not None
+
+
+def _backward(ctx, grad):
+    # out = alpha·A·Aᵀ + beta·C: dA = alpha·(G + Gᵀ)·A and dC = beta·G, the gradient of the
+    # math for the symmetric C the op requires (every kernel computes the same function there).
+    (A,) = ctx.saved_tensors
+    grad_a = torch.matmul(grad + grad.mT, A) * ctx.alpha
+    grad_c = grad * ctx.beta if ctx.has_c else None
+    return grad_a, grad_c, None, None, None
+
+
+syrk.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _samples():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.float32, grad=False):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad)
+
+    def sym(n, lead=(), dtype=torch.float32):
+        s = r(*lead, n, n, dtype=dtype)
+        return s + s.mT
+
+    yield (r(8, 16),), {}
+    yield (r(8, 16, grad=True),), {"alpha": 0.5}
+    yield (r(8, 16, grad=True), sym(8).requires_grad_()), {"alpha": 2.0, "beta": -0.5}
+    yield (r(3, 600, 40),), {"alpha": 1.5}  # batched, blocked strips on CPU
+    yield (r(2, 5, 7, dtype=torch.bfloat16), sym(5, (2,), torch.bfloat16)), {"beta": 1.0}
+    yield (r(6, 4),), {"impl": "torch_mm"}
+
+
+register_op(OpSpec("dmuon::syrk", torch.ops.dmuon.syrk, _samples, differentiable=True))

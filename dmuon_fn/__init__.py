@@ -1,0 +1,26 @@
+"""dmuon_fn: distributed Muon for PyTorch as a torch.compile-native functional library."""
+
+from ._backend import get_ns_backend
+from ._coefficients import PRESETS
+from ._orthogonalize import NSConfig, orthogonalize
+from ._update import (
+    AdamWState,
+    MuonState,
+    adamw_init,
+    adamw_update,
+    muon_init,
+    muon_update,
+)
+
+__all__ = [
+    "PRESETS",
+    "AdamWState",
+    "MuonState",
+    "NSConfig",
+    "adamw_init",
+    "adamw_update",
+    "get_ns_backend",
+    "muon_init",
+    "muon_update",
+    "orthogonalize",
+]

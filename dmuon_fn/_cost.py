@@ -1,0 +1,77 @@
+"""How Newton-Schulz is computed for a shape, and what it costs.
+
+The one place that decides standard vs Gram iteration (`ns_method`) and counts its FLOPs
+(`ns_flops`): `orthogonalize` runs what `ns_method` picks, and the partition planner's cost model
+charges what `ns_flops` counts, so the plan balances the work that actually runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+# Gram NS wins once long/short >= this (DESIGN.md: "cols/rows ≳ 1.5"; measured on this CPU in
+# examples/benchmarks/bench_ns.py, see BENCHMARKS.md).
+GRAM_MIN_ASPECT = 1.5
+# ... and once the short side has at least this many rows. Below it the bf16 Gram iteration can
+# diverge (seen at 2..12 rows, never at >= 16 in 1,100 random spectra; BENCHMARKS.md), and such
+# small matrices cost next to nothing either way.
+GRAM_MIN_SHORT = 32
+
+
+def default_restarts(steps: int) -> tuple[int, ...]:
+    """Restart steps for Gram NS: every second step, so no segment runs more than 2 steps.
+
+    For 5 steps this is (2, 4). Measured in bf16 (BENCHMARKS.md, "Gram restarts") over
+    condition numbers 1..1e6, rank-deficient and rank-1-plus-noise input, aspect ratios 2..8 and
+    sizes 12..1024: (2, 4) keeps the error at the standard iteration's level everywhere. A single
+    restart does not: at 2 the error reaches 0.68 where standard NS has 0.14, at 3 a 32×256
+    rank-1-plus-noise matrix diverges (σ_max ~ 1e10), and with none the iteration diverges.
+    """
+    return tuple(range(2, steps, 2))
+
+
+def ns_method(shape: tuple[int, ...] | list[int], method: str = "auto") -> str:
+    """ "gram" or "standard" for a matrix of `shape` (trailing two dims; leading dims batch)."""
+    if method not in ("auto", "gram", "standard"):
+        raise ValueError(f"method must be 'auto', 'gram' or 'standard', got {method!r}")
+    if method != "auto":
+        return method
+    rows, cols = shape[-2], shape[-1]
+    short, long = min(rows, cols), max(rows, cols)
+    return "gram" if long >= GRAM_MIN_ASPECT * short and short >= GRAM_MIN_SHORT else "standard"
+
+
+def ns_flops(
+    shape: tuple[int, ...] | list[int],
+    *,
+    steps: int = 5,
+    method: str = "auto",
+    restarts: Collection[int] | None = None,
+    sym_discount: float = 0.5,
+) -> float:
+    """Multiply-add FLOPs (2 per MAC) of orthogonalizing one matrix of `shape`.
+
+    A symmetric product costs `sym_discount` of the full GEMM (0.5 for an ideal SYRK, 1.0 for a
+    kernel without symmetry). Leading dims multiply the count.
+    """
+    rows, cols = shape[-2], shape[-1]
+    batch = 1
+    for d in shape[:-2]:
+        batch *= d
+    n, m = min(rows, cols), max(rows, cols)
+    sym_nm = 2.0 * n * n * m * sym_discount  # X·Xᵀ
+    sym_nn = 2.0 * n**3 * sym_discount  # product of two commuting symmetric n×n matrices
+    full_nm = 2.0 * n * n * m  # (n×n)·(n×m)
+    if ns_method(shape, method) == "standard":
+        return batch * steps * (sym_nm + sym_nn + full_nm)
+    rs = set(default_restarts(steps) if restarts is None else restarts)
+    total = 0.0
+    for i in range(steps):
+        first = i == 0 or i in rs
+        last = i == steps - 1 or (i + 1) in rs
+        if first:
+            total += sym_nm + full_nm  # R = X·Xᵀ at the (re)start, Q·X when the segment ends
+        total += sym_nn  # P = aI + bR + cR²
+        total += 0.0 if first else sym_nn  # Q' = P·Q
+        total += 0.0 if last else 2 * sym_nn  # R' = P·(P·R)
+    return batch * total

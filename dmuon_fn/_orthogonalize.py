@@ -1,0 +1,191 @@
+"""Orthogonalization by Newton-Schulz: O ≈ U·Vᵀ for G = U·Σ·Vᵀ.
+
+The algorithm, once (see proofs/gram_ns.md, proofs/ns_symmetry.md, proofs/normalization.md):
+
+    1. if rows > cols: X ← Gᵀ             iterate on the short side
+    2. X ← X / max|X|                     in fp32 (fp64 stays fp64): no overflow, exact zeros kept
+    3. X ← X / (‖X‖_F + eps)              spectral norm ≤ 1, so every σ lies in [0, 1]
+    4. X ← X.to(iteration dtype)          only now leave fp32
+    standard:  for (a, b, c) in schedule: X ← a·X + (b·A + c·A²)·X,  A = X·Xᵀ   (dmuon::ns_step)
+    gram:      R ← X·Xᵀ; Q ← I
+               for step i, (a, b, c) in schedule:
+                   if i is a restart: X ← Q·X; R ← X·Xᵀ; Q ← I
+                   P ← a·I + b·R + c·R²;  Q ← P·Q;  R ← P·R·P   (dmuon::gram_ns_step)
+               X ← Q·X
+               (Q and P are carried as scalar·I + matrix so the identity never rounds; the
+               default restarts are every second step: `_cost.default_restarts`)
+    5. undo the transpose, cast back to G's dtype
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import custom_ops
+
+from ._coefficients import schedule
+from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
+
+_ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# Iteration dtype per device type, by measurement (BENCHMARKS.md, "Newton-Schulz"): on this CPU
+# a bf16 GEMM runs ~2.5x faster than fp32 and fp16 GEMMs are slow; bf16 iterates stay within
+# ~0.003 of fp32 iterates' error against the float64 polar factor. CUDA: bf16, as
+# torch.optim.Muon; fp16 (10-bit mantissa) is available through `dtype=`.
+_DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.bfloat16}
+
+
+def default_iteration_dtype(
+    device: torch.device | str, input_dtype: torch.dtype | None = None
+) -> torch.dtype:
+    """The device's iteration dtype; float64 input (a reference computation) stays float64."""
+    if input_dtype == torch.float64:
+        return torch.float64
+    return _DEFAULT_DTYPE.get(torch.device(device).type, torch.float32)
+
+
+@dataclass(frozen=True)
+class NSConfig:
+    """Keyword configuration of `orthogonalize`, shared by the update functions and `Muon`.
+
+    steps: number of quintic steps, always honoured.
+    coefficients: "polar_express" | "you" | "keller" or explicit (a, b, c) rows.
+    method: "auto" (Gram when long/short >= 1.5) | "gram" | "standard".
+    eps: added to the Frobenius norm before dividing.
+    restarts: Gram restart steps (default: `default_restarts(steps)`).
+    kernel: SYRK kernel name, None for $DMUON_NS_KERNEL or the device's auto choice.
+    dtype: iteration dtype, None for the device default (float64 input: float64).
+    """
+
+    steps: int = 5
+    coefficients: str | tuple[tuple[float, float, float], ...] = "polar_express"
+    method: str = "auto"
+    eps: float = 1e-7
+    restarts: tuple[int, ...] | None = None
+    kernel: str | None = None
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.coefficients, str):
+            rows = tuple(tuple(float(v) for v in row) for row in self.coefficients)
+            object.__setattr__(self, "coefficients", rows)
+        if self.restarts is not None:
+            object.__setattr__(self, "restarts", tuple(sorted(set(self.restarts))))
+        schedule(self.coefficients, self.steps)  # validates steps and coefficients
+        ns_method((1, 1), self.method)  # validates method
+        if not (self.eps >= 0.0):
+            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        if self.dtype is not None and self.dtype not in _ITER_DTYPES:
+            raise ValueError(f"dtype must be one of {_ITER_DTYPES}, got {self.dtype!r}")
+        for r in self.restarts or ():
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < self.steps:
+                raise ValueError(
+                    f"restarts must be ints in [1, steps-1] = [1, {self.steps - 1}], "
+                    f"got {self.restarts!r}"
+                )
+
+
+def _normalize(G: Tensor, eps: float) -> Tensor:
+    """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64): two reductions
+    (amax, amin: each ~20x faster than aminmax or abs().amax on this CPU) and one scaled copy,
+    normalized in place."""
+    dt = torch.promote_types(G.dtype, torch.float32)
+    dims = (-2, -1)
+    amax = torch.maximum(
+        -torch.amin(G, dim=dims, keepdim=True), torch.amax(G, dim=dims, keepdim=True)
+    )
+    X = G.to(dt) / amax.to(dt).clamp_min(torch.finfo(dt).tiny)
+    return X.div_(torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps)
+
+
+def _standard(X: Tensor, rows: Sequence[tuple[float, float, float]], impl: str) -> Tensor:
+    for a, b, c in rows:
+        X = torch.ops.dmuon.ns_step(X, a, b, c, impl=impl)
+    return X
+
+
+def _gram(
+    X: Tensor, rows: Sequence[tuple[float, float, float]], restarts: Collection[int], impl: str
+) -> Tensor:
+    # Q = q·I + Qz; Qz None means Q = q·I (see dmuon::gram_ns_step for why the split).
+    R = torch.ops.dmuon.syrk(X, impl=impl)
+    Qz, q = None, 1.0
+    for i, (a, b, c) in enumerate(rows):
+        if i in restarts:
+            X = _apply_q(Qz, q, X)
+            R = torch.ops.dmuon.syrk(X, impl=impl)
+            Qz, q = None, 1.0
+        last = i == len(rows) - 1 or (i + 1) in restarts
+        Qz, R = torch.ops.dmuon.gram_ns_step(R, Qz, a, b, c, q, update_r=not last, impl=impl)
+        q *= a
+    return _apply_q(Qz, q, X)
+
+
+def _apply_q(Qz: Tensor | None, q: float, X: Tensor) -> Tensor:
+    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation."""
+    if Qz is None:
+        return X * q
+    flat = X.reshape(-1, *X.shape[-2:])
+    return torch.baddbmm(flat, Qz.reshape(-1, *Qz.shape[-2:]), flat, beta=q).reshape(X.shape)
+
+
+def orthogonalize(
+    G: Tensor,
+    *,
+    steps: int = 5,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    method: str = "auto",
+    eps: float = 1e-7,
+    restarts: Collection[int] | None = None,
+    kernel: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Approximate the polar factor U·Vᵀ of G (..., m, n) by `steps` Newton-Schulz steps.
+
+    G: a matrix or a batch of same-shape matrices (leading dims), any floating dtype.
+    Returns the same shape and dtype as G. Each matrix is normalized on its own.
+    """
+    cfg = NSConfig(
+        steps=steps,
+        coefficients=coefficients if isinstance(coefficients, str) else tuple(coefficients),
+        method=method,
+        eps=eps,
+        restarts=None if restarts is None else tuple(restarts),
+        kernel=kernel,
+        dtype=dtype,
+    )
+    return orthogonalize_with(G, cfg)
+
+
+def orthogonalize_with(G: Tensor, cfg: NSConfig) -> Tensor:
+    """`orthogonalize` with a prebuilt, validated `NSConfig`."""
+    if G.dim() < 2 or not G.is_floating_point():
+        raise ValueError(
+            f"orthogonalize needs a floating matrix or batch of matrices (..., m, n), "
+            f"got {G.dtype} of shape {tuple(G.shape)}; reshape conv weights to 2-D first"
+        )
+    impl = custom_ops.resolve_kernel(cfg.kernel, G.device).name
+    rows = schedule(cfg.coefficients, cfg.steps)
+    tall = G.shape[-2] > G.shape[-1]
+    # Transpose before normalizing, so G and Gᵀ give bitwise-transposed results.
+    X = _normalize(G.mT.contiguous() if tall else G, cfg.eps)
+    X = X.to(cfg.dtype or default_iteration_dtype(G.device, G.dtype))
+    method = ns_method(X.shape, cfg.method)
+    if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
+        raise ValueError(
+            f"method='gram' in {X.dtype} needs a short side of at least {GRAM_MIN_SHORT} "
+            f"(got {tuple(G.shape)}): below it the low-precision Gram iteration can diverge. "
+            "Use method='auto' (standard NS there) or dtype=torch.float32"
+        )
+    if method == "gram":
+        restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts
+        X = _gram(X, rows, frozenset(restarts), impl)
+    else:
+        X = _standard(X, rows, impl)
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)

@@ -1,0 +1,122 @@
+"""Pure Muon and AdamW updates over tensors: (param, grad, state) -> (new param, new state).
+
+Nothing is mutated. Per-step values (lr, weight decay, the step count in AdamW's state) may be
+0-d tensors, so a compiled step never recompiles as a schedule changes them.
+
+Muon, per matrix W (m×n after flattening trailing dims), gradient g (DESIGN.md, "The math"):
+    buf ← μ·buf + g                       (first step: buf = g, since buf starts at zero)
+    u   ← g + μ·buf  if nesterov else buf
+    O   ← orthogonalize(u)
+    W   ← W·(1 − lr·wd) − lr·scale(m, n)·O
+with scale "match_rms_adamw" = 0.2·sqrt(max(m, n)) (default) or "original" = sqrt(max(1, m/n)).
+
+AdamW (decoupled weight decay, as torch.optim.AdamW):
+    t ← t + 1;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²
+    W ← W·(1 − lr·wd) − lr/(1−β₁ᵗ) · m / (sqrt(v)/sqrt(1−β₂ᵗ) + eps)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._orthogonalize import NSConfig, orthogonalize_with
+
+Scalar = float | Tensor
+
+_SCALES = ("match_rms_adamw", "original")
+
+
+class MuonState(NamedTuple):
+    momentum: Tensor  # same shape as the parameter
+
+
+class AdamWState(NamedTuple):
+    step: Tensor  # 0-d float32: steps taken so far
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+
+
+def lr_scale(shape: torch.Size | tuple[int, ...], adjust_lr: str = "match_rms_adamw") -> float:
+    """The per-matrix LR multiplier for a parameter of `shape` (trailing dims flattened)."""
+    if adjust_lr not in _SCALES:
+        raise ValueError(f"adjust_lr must be one of {_SCALES}, got {adjust_lr!r}")
+    m, n = shape[0], math.prod(shape[1:])
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    return math.sqrt(max(1.0, m / n))
+
+
+def muon_init(param: Tensor, *, dtype: torch.dtype | None = None) -> MuonState:
+    """Zero momentum in `dtype` (default: the parameter's)."""
+    return MuonState(torch.zeros_like(param, dtype=dtype or param.dtype))
+
+
+def _check_matrix(param: Tensor, grad: Tensor) -> None:
+    if param.dim() < 2:
+        raise ValueError(
+            f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
+            f"{param.dim()}-D parameter of shape {tuple(param.shape)}: use adamw_update for it"
+        )
+    if grad.shape != param.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
+
+
+def muon_update(
+    param: Tensor,
+    grad: Tensor,
+    state: MuonState,
+    *,
+    lr: Scalar,
+    weight_decay: Scalar = 0.0,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    adjust_lr: str = "match_rms_adamw",
+    ns: NSConfig = NSConfig(),  # noqa: B008  (frozen, immutable)
+) -> tuple[Tensor, MuonState]:
+    """One Muon step for one matrix parameter. Returns (new param, new state)."""
+    _check_matrix(param, grad)
+    buf = state.momentum
+    g = grad.to(buf.dtype)
+    buf = torch.add(g, buf, alpha=momentum)
+    u = torch.add(g, buf, alpha=momentum) if nesterov else buf
+    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns).reshape(param.shape)
+    # O and `new` are fresh temporaries: updating them in place saves two full-size allocations.
+    O = O.to(param.dtype).mul_(lr * lr_scale(param.shape, adjust_lr))
+    new = (param * (1 - lr * weight_decay)).sub_(O)
+    return new, MuonState(buf)
+
+
+def adamw_init(param: Tensor, *, dtype: torch.dtype | None = None) -> AdamWState:
+    """Zero moments in `dtype` (default: the parameter's) and a zero step count."""
+    dt = dtype or param.dtype
+    zero = torch.zeros((), dtype=torch.float32, device=param.device)
+    return AdamWState(zero, torch.zeros_like(param, dtype=dt), torch.zeros_like(param, dtype=dt))
+
+
+def adamw_update(
+    param: Tensor,
+    grad: Tensor,
+    state: AdamWState,
+    *,
+    lr: Scalar,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: Scalar = 0.01,
+) -> tuple[Tensor, AdamWState]:
+    """One AdamW step for any parameter. Returns (new param, new state)."""
+    if grad.shape != param.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
+    beta1, beta2 = betas
+    t = state.step + 1
+    g = grad.to(state.exp_avg.dtype)
+    m = torch.lerp(state.exp_avg, g, 1 - beta1)
+    v = state.exp_avg_sq * beta2 + (1 - beta2) * g * g
+    bc1 = 1 - beta1**t
+    bc2_sqrt = torch.sqrt(1 - beta2**t)
+    denom = torch.sqrt(v) / bc2_sqrt + eps
+    new = param * (1 - lr * weight_decay) - (lr / bc1) * (m / denom)
+    return new.to(param.dtype), AdamWState(t, m, v)

@@ -1,0 +1,88 @@
+"""dmuon::syrk against float64 A·Aᵀ (+ C, symmetric), on every kernel this machine can run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import custom_ops
+from custom_ops._kernels import _CPU_MIN_N
+from tests._tolerance import PRODUCT, rel_err
+
+CPU_KERNELS = ["cpu_syrk", "torch_mm"]
+# 0 or order-one magnitudes: a coefficient like 1e-49 underflows in fp32 by design, not by bug.
+COEF = st.one_of(st.just(0.0), st.floats(0.01, 3.0), st.floats(-3.0, -0.01))
+
+
+def _ref(A, C, alpha, beta):
+    out = alpha * (A.double() @ A.double().mT)
+    return out if C is None else out + beta * C.double()
+
+
+def _sym(*shape, generator):
+    S = torch.randn(*shape, generator=generator)
+    return S + S.mT
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    k=st.integers(1, 40),
+    batch=st.sampled_from([(), (3,), (2, 2)]),
+    alpha=COEF,
+    beta=COEF,
+    with_c=st.booleans(),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    impl=st.sampled_from(CPU_KERNELS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_syrk_matches_float64(n, k, batch, alpha, beta, with_c, dtype, impl, seed):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(*batch, n, k, generator=g).to(dtype)
+    C = _sym(*batch, n, n, generator=g).to(dtype) if with_c else None
+    out = torch.ops.dmuon.syrk(A, C, alpha, beta, impl=impl)
+    ref = _ref(A, C, alpha, beta)
+    assert out.dtype == dtype and out.shape == ref.shape
+    # scale the tolerance by the magnitude of the terms, not of the (possibly cancelling) sum
+    scale = abs(alpha) * A.double().norm() ** 2 + (abs(beta) * C.double().norm() if with_c else 0)
+    assert (out.double() - ref).norm() <= PRODUCT[dtype] * scale + 1e-300
+    # below the strip size one GEMM computes both triangles: symmetric to rounding
+    assert (out.double() - out.double().mT).norm() <= PRODUCT[dtype] * scale + 1e-300
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(_CPU_MIN_N, 96), (1031, 64), (700, 1500)])
+def test_blocked_strips_match_float64(n, k, dtype):
+    """Sizes where cpu_syrk actually splits into strips, incl. n not a multiple of a block."""
+    g = torch.Generator().manual_seed(n + k)
+    A = torch.randn(2, n, k, generator=g).to(dtype)
+    C = _sym(2, n, n, generator=g).to(dtype)
+    out = torch.ops.dmuon.syrk(A, C, 0.5, -2.0, impl="cpu_syrk")
+    assert torch.equal(out, out.mT), "strips mirror the upper triangle: exactly symmetric"
+    assert rel_err(out, _ref(A, C, 0.5, -2.0)) < PRODUCT[dtype]
+
+
+def test_syrk_gradients_float64():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(2, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    S = torch.randn(2, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(a, s):  # C is symmetric by contract: perturb it only symmetrically
+        return torch.ops.dmuon.syrk(a, s + s.mT, 0.7, 1.3)
+
+    assert torch.autograd.gradcheck(f, (A, S))
+
+
+def test_syrk_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        torch.ops.dmuon.syrk(torch.randn(4))
+    with pytest.raises(ValueError, match="C must be"):
+        torch.ops.dmuon.syrk(torch.randn(4, 3), torch.randn(3, 3))
+
+
+def test_unknown_kernel_lists_valid_ones():
+    with pytest.raises(ValueError, match="valid kernels: auto, cpu_syrk, cublas, torch_mm"):
+        torch.ops.dmuon.syrk(torch.randn(4, 3), impl="nope")
+    assert set(custom_ops.kernel_names()) == {"cpu_syrk", "cublas", "torch_mm"}
