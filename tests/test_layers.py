@@ -36,12 +36,16 @@ def test_public_api_is_pinned():
             "AdamWState",
             "MuonState",
             "NSConfig",
+            "Plan",
+            "PlanMismatchError",
             "adamw_init",
             "adamw_update",
+            "check_plan_consistent",
             "get_ns_backend",
             "muon_init",
             "muon_update",
             "orthogonalize",
+            "partition",
         ]
     )
     for name in dmuon_fn.__all__:

@@ -31,7 +31,7 @@ def _flat(out):
 
 def test_every_op_file_is_registered():
     names = {s.name for s in SPECS}
-    expected = {f"dmuon::{n}" for n in ("syrk", "ns_step", "gram_ns_step")}
+    expected = {f"dmuon::{n}" for n in ("syrk", "ns_step", "gram_ns_step", "lpt_partition")}
     assert expected <= names
 
 

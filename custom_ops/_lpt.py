@@ -1,0 +1,414 @@
+"""Owner scheduling: LPT, layer spreading, local refinement and byte balance, in plain Python.
+
+The one implementation behind `dmuon::lpt_partition` and the planner `dmuon_fn.partition`.
+Items 0..n-1 have a cost (compute), a group (a layer; -1 for none) and a byte count. Slots
+0..S-1 form R replicas of G = S / R shard columns: slot s is shard s % G of replica s // G, so
+ties, broken by the lowest slot, fill different shard columns first.
+
+    1. plain LPT: items by (cost descending, index), each to the slot of least (load, index).
+       Its makespan M0 is at most (4/3 − 1/(3S))·OPT (Graham 1969; proofs/partition.md).
+    2. refine: exchanges between the heaviest slot and the _WIDTH lightest (a move, a swap, or
+       a one-for-two trade) that bring both below the heaviest load; the maximum never rises.
+    3. spread: a group of k items should put at most ⌈k/G⌉ in one shard column and ⌈k/S⌉ on
+       one slot, so one layer's owners broadcast in parallel. Candidates:
+       A = step 2's schedule M_A, then exchanges that each remove an excess item while every
+           slot stays <= M_A;
+       B = LPT restricted to slots within the caps (always possible), refined within the caps.
+       B is kept if it is no slower than A, or if A keeps some excess and B's makespan is at
+       most `spread_limit` (<= the LPT bound; with spread_tolerance 0, <= M0).
+    4. bytes: exchanges between the shard column with the most bytes and the lightest ones,
+       keeping every slot <= the makespan and adding no excess, until the fullest column is
+       within BYTES_SLACK of the mean.
+
+Runs on exact integers (`exact`), so sums do not depend on order and "never raises the maximum"
+holds to the last bit. Every choice is a deterministic function of the values in index order;
+callers pass items in name order, so ties are broken by name.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections import Counter
+from collections.abc import Sequence
+from fractions import Fraction
+
+# Lightest slots (or columns) each refinement round tries against the heaviest: enough to find
+# the improving exchanges on the models we plan (BENCHMARKS.md), few enough that planning 700
+# units over 512 slots stays well under a second.
+_WIDTH = 16
+# Lightest shard columns each byte-balance round tries against the fullest (each has R slots).
+_COL_WIDTH = 2
+# Concrete (a, b) pairs tried per pair of interchangeable classes before giving up on it.
+_TRIES = 8
+
+# Makespan the spread schedule may cost over the refined plain one (step 3): one layer's
+# broadcasts in parallel against at most this much longer optimizer step.
+SPREAD_TOLERANCE = 0.01
+# Step 4 stops once the fullest shard column holds at most this fraction above the mean bytes.
+BYTES_SLACK = Fraction(1, 100)
+# Two-item bundles are formed only in slots with at most this many (cost, bytes) classes; a slot
+# with more distinct items is already fine-grained enough for one-item exchanges.
+_PAIR_CLASSES = 12
+
+# (cost sum, bytes sum, item lists): 0-2 items of one slot, taken by (cost, bytes) class.
+Bundle = tuple[int, int, tuple[list[int], ...]]
+
+
+def exact(values: Sequence[float]) -> tuple[list[int], int]:
+    """Integers q and a power of two den with values[i] == q[i] / den exactly."""
+    ratios = [float(v).as_integer_ratio() for v in values]
+    den = max((d for _, d in ratios), default=1)  # every denominator is a power of two
+    return [p * (den // d) for p, d in ratios], den
+
+
+def slot_loads(costs: Sequence[int], owners: Sequence[int], num_slots: int) -> list[int]:
+    loads = [0] * num_slots
+    for c, s in zip(costs, owners, strict=True):
+        loads[s] += c
+    return loads
+
+
+def lpt(costs: Sequence[int], num_slots: int) -> list[int]:
+    """Plain LPT: owners[i] in [0, num_slots)."""
+    return _greedy(costs, num_slots, None)
+
+
+class Spread:
+    """Per-group caps and counts: ⌈k/G⌉ items of a k-item group per shard column, ⌈k/S⌉ per slot."""
+
+    def __init__(self, groups: Sequence[int], num_slots: int, columns: int) -> None:
+        sizes = Counter(g for g in groups if g >= 0)
+        self.groups, self.columns = groups, columns
+        self.cap_col = {g: -(-k // columns) for g, k in sizes.items()}
+        self.cap_slot = {g: -(-k // num_slots) for g, k in sizes.items()}
+        self.col: Counter[tuple[int, int]] = Counter()
+        self.slot: Counter[tuple[int, int]] = Counter()
+
+    def add(self, i: int, s: int, n: int = 1) -> None:
+        g = self.groups[i]
+        if g >= 0:
+            self.slot[g, s] += n
+            self.col[g, s % self.columns] += n
+
+    def fits(self, i: int, dst: int, src: int = -1) -> bool:
+        """Whether item i may go to slot dst (from slot src; -1: unplaced) within the caps."""
+        g = self.groups[i]
+        if g < 0:
+            return True
+        if self.slot[g, dst] >= self.cap_slot[g]:
+            return False
+        c = dst % self.columns
+        return (src >= 0 and src % self.columns == c) or self.col[g, c] < self.cap_col[g]
+
+    def over(self, i: int, s: int) -> bool:
+        """Whether item i sits in slot s beyond its group's slot or column cap."""
+        g = self.groups[i]
+        return g >= 0 and (
+            self.slot[g, s] > self.cap_slot[g] or self.col[g, s % self.columns] > self.cap_col[g]
+        )
+
+    def excess(self) -> int:
+        over_slot = sum(max(0, k - self.cap_slot[g]) for (g, _), k in self.slot.items())
+        over_col = sum(max(0, k - self.cap_col[g]) for (g, _), k in self.col.items())
+        return over_slot + over_col
+
+
+def _greedy(costs: Sequence[int], num_slots: int, spread: Spread | None) -> list[int]:
+    """LPT, each item to the least loaded slot within its caps (there always is one)."""
+    heap = [(0, s) for s in range(num_slots)]  # sorted, hence a heap
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        skipped = []
+        load, s = heapq.heappop(heap)
+        while spread is not None and not spread.fits(i, s):
+            skipped.append((load, s))
+            load, s = heapq.heappop(heap)
+        owners[i] = s
+        if spread is not None:
+            spread.add(i, s)
+        heapq.heappush(heap, (load + costs[i], s))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return owners
+
+
+class _State:
+    """An assignment with its slot loads, members and column bytes, changed by exchanges.
+
+    An exchange moves items A from slot src to dst and items B from dst to src (|A| in 1..2,
+    |B| in 0..2, |A| + |B| <= 3): moves, swaps, and one-for-two trades.
+    """
+
+    def __init__(self, costs, nbytes, owners, num_slots, columns, spread) -> None:
+        self.costs, self.nbytes, self.columns, self.spread = costs, nbytes, columns, spread
+        self.owners = list(owners)
+        self.loads = slot_loads(costs, owners, num_slots)
+        self.col_bytes = [0] * columns
+        self.members: list[set[int]] = [set() for _ in range(num_slots)]
+        for i, s in enumerate(owners):
+            self.members[s].add(i)
+            self.col_bytes[s % columns] += nbytes[i]
+
+    def bundles(self, s: int, most: int) -> list[Bundle]:
+        """Up to `most` items of slot s, by (cost, bytes) class: (cost, bytes, item lists)."""
+        classes: dict[tuple[int, int], list[int]] = {}
+        for i in sorted(self.members[s]):
+            classes.setdefault((self.costs[i], self.nbytes[i]), []).append(i)
+        cls = list(classes.items())
+        out = [(c, b, (xs,)) for (c, b), xs in cls]
+        if most >= 2 and len(cls) <= _PAIR_CLASSES:
+            for j, ((c1, b1), x1) in enumerate(cls):
+                for (c2, b2), x2 in cls[j:]:
+                    if x1 is not x2 or len(x1) > 1:
+                        out.append((c1 + c2, b1 + b2, (x1, x2)))
+        return out
+
+    def best(self, srcs, dsts, axis: int, center, score, strict: bool = False):
+        """Lowest-scoring exchange: (score, src, A, dst, B), or None.
+
+        srcs: [(slot, bundles)]. For each (src, dst) and A bundle, the B bundles are walked
+        outward from the value (cost if axis 0, bytes if 1) A - center(src, dst); `score` must
+        not decrease along each direction of that walk (V-shaped around it) or return None to
+        skip. An exchange must not raise the spread excess (with `strict`, must lower it).
+        """
+        best = None
+        for dst in dsts:
+            bs = sorted([(0, 0, ()), *self.bundles(dst, 2)], key=lambda x: (x[axis], x[:2]))
+            vals = [x[axis] for x in bs]
+            for src, src_bundles in srcs:
+                if src == dst:
+                    continue
+                for a in src_bundles:
+                    mid = bisect.bisect_left(vals, a[axis] - center(src, dst))
+                    for side in (range(mid - 1, -1, -1), range(mid, len(bs))):
+                        for k in side:
+                            b = bs[k]
+                            if len(a[2]) + len(b[2]) > 3:
+                                continue
+                            v = score(src, a, dst, b)
+                            if v is None:
+                                continue
+                            if best is not None and v >= best[0]:
+                                break
+                            hit = self._concrete(src, a[2], dst, b[2], strict)
+                            if hit is not None:
+                                best = (v, src, hit[0], dst, hit[1])
+                                break
+        return best
+
+    def _concrete(self, src, xa, dst, xb, strict):
+        """The first items (index order) of the classes xa, xb whose exchange the caps allow."""
+        for t, (A, B) in enumerate(itertools.product(_picks(xa), _picks(xb))):
+            if t >= _TRIES:
+                return None
+            if self.spread is None or self._allowed(src, A, dst, B, strict):
+                return A, B
+        return None
+
+    def _allowed(self, src, A, dst, B, strict) -> bool:
+        """Whether the exchange keeps (strict: lowers) the spread excess of the counts it moves."""
+        sp, cols = self.spread, self.columns
+        delta: Counter[tuple[bool, int, int]] = Counter()  # (is column, group, slot or column)
+        for items, frm, to in ((A, src, dst), (B, dst, src)):
+            for i in items:
+                g = sp.groups[i]
+                if g >= 0:
+                    delta[False, g, frm] -= 1
+                    delta[False, g, to] += 1
+                    delta[True, g, frm % cols] -= 1
+                    delta[True, g, to % cols] += 1
+        before = after = 0
+        for (is_col, g, x), d in delta.items():
+            count, cap = (
+                (sp.col[g, x], sp.cap_col[g]) if is_col else (sp.slot[g, x], sp.cap_slot[g])
+            )
+            before += max(0, count - cap)
+            after += max(0, count + d - cap)
+        return after < before or (after == before and not strict)
+
+    def apply(self, src: int, A, dst: int, B) -> None:
+        """Move items A from src to dst and items B from dst to src."""
+        for items, frm, to in ((A, src, dst), (B, dst, src)):
+            for i in items:
+                self.members[frm].discard(i)
+                self.members[to].add(i)
+                self.owners[i] = to
+                self.loads[frm] -= self.costs[i]
+                self.loads[to] += self.costs[i]
+                self.col_bytes[frm % self.columns] -= self.nbytes[i]
+                self.col_bytes[to % self.columns] += self.nbytes[i]
+                if self.spread is not None:
+                    self.spread.add(i, frm, -1)
+                    self.spread.add(i, to)
+
+
+def _picks(lists: tuple[list[int], ...]):
+    """Distinct item tuples, one from each list (two from one list if it appears twice)."""
+    if len(lists) == 2 and lists[0] is lists[1]:
+        return itertools.combinations(lists[0], 2)
+    return itertools.product(*lists)
+
+
+def _lightest(values: Sequence[int], below: int) -> list[int]:
+    idx = (j for j in range(len(values)) if values[j] < below)
+    return heapq.nsmallest(_WIDTH, idx, key=lambda j: (values[j], j))
+
+
+def refine(st: _State, max_rounds: int) -> None:
+    """Step 2: each applied exchange lowers the sorted load vector, so it cannot cycle."""
+    for _ in range(max_rounds):
+        h = max(range(len(st.loads)), key=lambda s: (st.loads[s], -s))
+        top = st.loads[h]
+
+        def score(src, a, dst, b, top=top):
+            d = a[0] - b[0]
+            new = max(top - d, st.loads[dst] + d)
+            return new if d > 0 and new < top else None
+
+        def center(src, dst):
+            return (st.loads[src] - st.loads[dst]) // 2
+
+        best = st.best([(h, st.bundles(h, 2))], _lightest(st.loads, top), 0, center, score)
+        if best is None:
+            return
+        st.apply(*best[1:])
+
+
+def repair(st: _State, max_rounds: int) -> None:
+    """Step 3A: move excess items out, keeping every slot <= the makespan; excess only falls."""
+    sp, cap, cols = st.spread, max(st.loads), st.columns
+    assert sp is not None
+    stuck: set[int] = set()
+    for _ in range(max_rounds):
+        item = next((i for i, s in enumerate(st.owners) if i not in stuck and sp.over(i, s)), -1)
+        if item < 0:
+            return
+        src, g = st.owners[item], sp.groups[item]
+        col_over = sp.col[g, src % cols] > sp.cap_col[g]
+        dsts = [s for s in range(len(st.loads)) if not (col_over and s % cols == src % cols)]
+
+        def score(src, a, dst, b):
+            d = a[0] - b[0]
+            new = max(st.loads[src] - d, st.loads[dst] + d)
+            return None if new > cap else new
+
+        def center(src, dst):
+            return (st.loads[src] - st.loads[dst]) // 2
+
+        srcs = [(src, [(st.costs[item], st.nbytes[item], ([item],))])]
+        best = st.best(srcs, dsts, 0, center, score, strict=True)
+        if best is None:
+            stuck.add(item)
+        else:
+            st.apply(*best[1:])
+
+
+def balance_bytes(st: _State, max_rounds: int) -> None:
+    """Step 4: lowers the sorted column-bytes vector per exchange; loads stay <= the makespan."""
+    cap, cols, S = max(st.loads), st.columns, len(st.loads)
+    good_enough = (1 + BYTES_SLACK) * Fraction(sum(st.col_bytes), cols)
+    for _ in range(max_rounds):
+        hc = max(range(cols), key=lambda c: (st.col_bytes[c], -c))
+        top = st.col_bytes[hc]
+        if top <= good_enough:
+            return
+
+        def score(src, a, dst, b, top=top):
+            d, dc = a[1] - b[1], a[0] - b[0]
+            new = max(top - d, st.col_bytes[dst % cols] + d)
+            ok = st.loads[src] - dc <= cap and st.loads[dst] + dc <= cap
+            return new if ok and d > 0 and new < top else None
+
+        def center(src, dst, top=top):
+            return (top - st.col_bytes[dst % cols]) // 2
+
+        srcs = [(s, st.bundles(s, 2)) for s in range(hc, S, cols)]
+        dsts = [s for c in _lightest(st.col_bytes, top)[:_COL_WIDTH] for s in range(c, S, cols)]
+        best = st.best(srcs, dsts, 1, center, score)
+        if best is None:
+            return
+        st.apply(*best[1:])
+
+
+def lower_bound(costs: Sequence[int], num_slots: int) -> Fraction:
+    """max(total/S, p1, p_S + p_{S+1}) with p sorted descending: no schedule is shorter."""
+    p = sorted(costs, reverse=True)
+    lb = max(Fraction(sum(p), num_slots), Fraction(p[0] if p else 0))
+    return max(lb, Fraction(p[num_slots - 1] + p[num_slots])) if len(p) > num_slots else lb
+
+
+def spread_limit(m0: int, m_a: int, lb: Fraction, num_slots: int, tolerance: float) -> Fraction:
+    """Largest makespan at which the spread schedule B is kept (step 3).
+
+    max(M0, min((1 + tolerance)·M_A, (4/3 − 1/(3S))·LB)): never above the LPT guarantee
+    (LB <= OPT), and at most `tolerance` above the refined plain schedule's makespan M_A.
+    """
+    graham = Fraction(4 * num_slots - 1, 3 * num_slots) * lb
+    return max(Fraction(m0), min((1 + Fraction(tolerance)) * m_a, graham))
+
+
+def schedule(
+    costs: Sequence[float],
+    num_slots: int,
+    *,
+    groups: Sequence[int] | None = None,
+    nbytes: Sequence[float] | None = None,
+    replicate: int = 1,
+    refined: bool = True,
+    spread_tolerance: float = SPREAD_TOLERANCE,
+) -> list[int]:
+    """Owner slot in [0, num_slots) of each item: steps 1-4 (`refined=False`: step 1 only).
+
+    costs, nbytes: finite and >= 0. groups: a group id >= 0 or -1 per item.
+    """
+    n = len(costs)
+    if num_slots < 1 or replicate < 1 or num_slots % replicate:
+        raise ValueError(
+            f"need num_slots >= 1 divisible by replicate >= 1, got {num_slots} and {replicate}"
+        )
+    groups = [-1] * n if groups is None else [int(g) for g in groups]
+    for name, seq in (("groups", groups), ("nbytes", nbytes or [0] * n)):
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries for {n} costs")
+    for name, seq in (
+        ("costs", costs),
+        ("nbytes", nbytes or ()),
+        ("spread_tolerance", [spread_tolerance]),
+    ):
+        if any(not 0 <= v < math.inf for v in seq):
+            raise ValueError(f"{name} must be finite and >= 0")
+    q, _ = exact(costs)
+    qb = [0] * n if nbytes is None else exact(nbytes)[0]
+    base = lpt(q, num_slots)
+    if not refined or n == 0:
+        return base
+    rounds, cols = 4 * n + num_slots, num_slots // replicate
+
+    def state(owners, spread):
+        return _State(q, qb, owners, num_slots, cols, spread)
+
+    st = state(base, None)
+    refine(st, rounds)
+    if any(g >= 0 for g in groups):
+        m_a = max(st.loads)
+        sp_b = Spread(groups, num_slots, cols)
+        st_b = state(_greedy(q, num_slots, sp_b), sp_b)
+        refine(st_b, rounds)
+        if max(st_b.loads) <= m_a:  # no excess and no slower: nothing to weigh
+            st = st_b
+        else:
+            sp_a = Spread(groups, num_slots, cols)
+            for i, s in enumerate(st.owners):
+                sp_a.add(i, s)
+            st = state(st.owners, sp_a)
+            repair(st, rounds)
+            m0 = max(slot_loads(q, base, num_slots))
+            limit = spread_limit(m0, m_a, lower_bound(q, num_slots), num_slots, spread_tolerance)
+            if sp_a.excess() > 0 and max(st_b.loads) <= limit:
+                st = st_b
+    if nbytes is not None:
+        balance_bytes(st, rounds)
+    return st.owners

@@ -1,0 +1,91 @@
+"""dmuon::lpt_partition — owner slot of each scheduling unit, by the planner's algorithm.
+
+costs: (n,) real, finite, >= 0 (FLOPs per unit). world_size: number of slots S.
+groups: (n,) int64 layer id per unit, -1 for none; nbytes: (n,) real bytes per unit.
+replicate_size: R dividing S (slot s is shard s % (S/R) of replica s // (S/R)).
+Returns (n,) int64 owner slots in [0, S), on costs' device: `custom_ops._lpt.schedule`, the
+same function `dmuon_fn.partition` runs, so the op and the planner cannot disagree.
+
+The world size arrives as an explicit int, so the fake needs no process group: shape (n,) int64.
+The values depend on the data (the schedule is computed on the host); the shape does not.
+
+No autograd: the output is integer slot indices, piecewise constant in the costs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._lpt import SPREAD_TOLERANCE, schedule
+from ._registry import OpSpec, register_op
+
+
+def _check(costs: Tensor, groups: Tensor | None, nbytes: Tensor | None) -> None:
+    if costs.dim() != 1 or costs.dtype.is_complex or costs.dtype == torch.bool:
+        raise ValueError(
+            f"lpt_partition: costs must be a 1-D real tensor, got {tuple(costs.shape)} "
+            f"{costs.dtype}"
+        )
+    if groups is not None and (groups.shape != costs.shape or groups.dtype != torch.int64):
+        raise ValueError(
+            f"lpt_partition: groups must be int64 of shape {tuple(costs.shape)}, "
+            f"got {tuple(groups.shape)} {groups.dtype}"
+        )
+    if nbytes is not None and nbytes.shape != costs.shape:
+        raise ValueError(
+            f"lpt_partition: nbytes must have shape {tuple(costs.shape)}, got {tuple(nbytes.shape)}"
+        )
+
+
+@torch.library.custom_op("dmuon::lpt_partition", mutates_args=())
+def lpt_partition(
+    costs: Tensor,
+    world_size: int,
+    groups: Tensor | None = None,
+    nbytes: Tensor | None = None,
+    replicate_size: int = 1,
+    refine: bool = True,
+    spread_tolerance: float = SPREAD_TOLERANCE,
+) -> Tensor:
+    _check(costs, groups, nbytes)
+    owners = schedule(
+        costs.tolist(),
+        world_size,
+        groups=None if groups is None else groups.tolist(),
+        nbytes=None if nbytes is None else nbytes.tolist(),
+        replicate=replicate_size,
+        refined=refine,
+        spread_tolerance=spread_tolerance,
+    )
+    return torch.tensor(owners, dtype=torch.int64, device=costs.device)
+
+
+@lpt_partition.register_fake
+def _(
+    costs,
+    world_size,
+    groups=None,
+    nbytes=None,
+    replicate_size=1,
+    refine=True,
+    spread_tolerance=SPREAD_TOLERANCE,
+):
+    _check(costs, groups, nbytes)
+    return costs.new_empty(costs.shape, dtype=torch.int64)
+
+
+def _samples():
+    g = torch.Generator().manual_seed(3)
+    costs = torch.rand(40, generator=g, dtype=torch.float64) * 1e12
+    yield (costs, 8), {}
+    yield (costs, 3), {"refine": False}
+    layers = torch.arange(40, dtype=torch.int64) // 7  # 7 units per layer, as a Llama block
+    yield (costs.float(), 8), {"groups": layers, "nbytes": costs.sqrt()}
+    yield (costs, 16), {"groups": layers, "nbytes": costs.sqrt(), "replicate_size": 4}
+    yield (torch.tensor([3.0, 3.0, 2.0, 2.0, 2.0]), 2), {}  # Graham's tight case: 7 -> 6
+
+
+register_op(
+    OpSpec("dmuon::lpt_partition", torch.ops.dmuon.lpt_partition, _samples, differentiable=False)
+)

@@ -1,0 +1,85 @@
+"""Cross-rank check that every rank computed the same partition plan.
+
+Ranks that disagree on an owner hang in the first broadcast or reduce (a rank waits for a
+sender that never sends), so the plans are compared once, before any parameter collective, with
+one `all_gather_object` of a small record: the plan digest, the sizes, and one int64 per
+parameter (32 bits of the name's hash, 32 bits of the (name, shape, owner) hash). Every rank sees
+every record, so either all ranks return or all raise, naming the first differing parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+
+import torch.distributed as dist
+
+from ._partition import Plan
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks computed different partition plans."""
+
+
+def _h32(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:4], "big")
+
+
+def param_hashes(plan: Plan) -> list[int]:
+    """One int64 per parameter in name order: name hash << 32 | (name, shape, slot) hash."""
+    out = []
+    for n, sh, s in zip(plan.names, plan.shapes, plan.slots, strict=True):
+        v = _h32(n) << 32 | _h32(json.dumps([n, list(sh), s]))
+        out.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return out
+
+
+def _record(plan: Plan) -> tuple:
+    hashes = array("q", param_hashes(plan)).tobytes()
+    return plan.digest(), plan.world_size, plan.replicate_size, hashes
+
+
+def _first_difference(a: bytes, b: bytes) -> tuple[int, bool]:
+    """Index of the first differing parameter and whether the two ranks agree on its name."""
+    x, y = array("q"), array("q")
+    x.frombytes(a)
+    y.frombytes(b)
+    for i, (u, v) in enumerate(zip(x, y, strict=False)):
+        if u != v:
+            return i, (u >> 32) == (v >> 32)
+    return min(len(x), len(y)), False
+
+
+def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) -> str:
+    """Raise `PlanMismatchError` on every rank unless all ranks of `group` hold the same plan.
+
+    One collective (`all_gather_object` over `group`, default: the world; with NCCL the current
+    CUDA device must be set). Returns the common digest.
+    """
+    records: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(records, _record(plan), group=group)
+    ref = records[0]
+    bad = next((r for r, rec in enumerate(records) if rec != ref), None)
+    if bad is None:
+        return ref[0]
+    other = records[bad]
+    here = dist.get_rank(group)
+    i, same_name = _first_difference(ref[3], other[3])
+    if i < len(plan.names):
+        local = (
+            f"on this rank ({here}) that is {plan.names[i]!r} with shape {plan.shapes[i]} "
+            f"owned by {plan.owner(plan.names[i])}"
+        )
+    else:
+        local = f"this rank ({here}) has only {len(plan.names)} parameters"
+    what = "agree on its name but not on its shape or owner" if same_name else "differ in name"
+    sizes = ""
+    if ref[1:3] != other[1:3]:
+        sizes = f" (world_size, replicate_size): {ref[1:3]} on rank 0, {other[1:3]} on {bad};"
+    raise PlanMismatchError(
+        f"partition plans differ between group ranks 0 and {bad} (digests {ref[0][:12]} vs "
+        f"{other[0][:12]});{sizes} first difference at parameter #{i} in name order: {local}; "
+        f"ranks 0 and {bad} {what}. Every rank must call partition() with the same parameter "
+        "names, shapes and sizes (check the dedication filter and the model config per rank)."
+    )
