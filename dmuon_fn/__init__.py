@@ -1,7 +1,11 @@
 """dmuon_fn: distributed Muon for PyTorch as a torch.compile-native functional library."""
 
+from . import _fsdp_adapter
 from ._backend import get_ns_backend
 from ._coefficients import PRESETS
+from ._comm import CommCounter
+from ._dedicate import dedicate_params
+from ._optim import Muon
 from ._orthogonalize import NSConfig, orthogonalize
 from ._partition import Plan, partition
 from ._plan_check import PlanMismatchError, check_plan_consistent
@@ -14,9 +18,13 @@ from ._update import (
     muon_update,
 )
 
+_fsdp_adapter.install()  # fully_shard skips dedicated params (see _fsdp_adapter)
+
 __all__ = [
     "PRESETS",
     "AdamWState",
+    "CommCounter",
+    "Muon",
     "MuonState",
     "NSConfig",
     "Plan",
@@ -24,6 +32,7 @@ __all__ = [
     "adamw_init",
     "adamw_update",
     "check_plan_consistent",
+    "dedicate_params",
     "get_ns_backend",
     "muon_init",
     "muon_update",

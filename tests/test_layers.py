@@ -33,6 +33,9 @@ def test_public_api_is_pinned():
     assert sorted(dmuon_fn.__all__) == sorted(
         [
             "PRESETS",
+            "CommCounter",
+            "Muon",
+            "dedicate_params",
             "AdamWState",
             "MuonState",
             "NSConfig",

@@ -1,0 +1,140 @@
+"""Collectives for dedicated parameters, and a counter of every collective a rank issues.
+
+`CommCounter` is a TorchDispatchMode: it sees the c10d ops behind `torch.distributed` calls
+(ours, FSDP2's, anyone's) and the functional collectives, and books, per phase, how many ran
+and how many bytes they move per rank. Bytes follow the per-rank traffic convention that makes
+FSDP's and dmuon_fn's floors comparable (DESIGN.md, "Communication floor"): over a group of W
+ranks and a payload of N bytes, broadcast and reduce move (W−1)/W·N, all-gather and
+reduce-scatter (W−1)/W of the full tensor, all-reduce 2(W−1)/W·N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name -> (factor of (W-1)/W, which tensor argument carries the payload)
+_C10D = {
+    "broadcast_": (1, 0),
+    "reduce_": (1, 0),
+    "allreduce_": (2, 0),
+    "allgather_": (1, 1),
+    "_allgather_base_": (1, 0),
+    "allgather_into_tensor_coalesced_": (1, 0),
+    "reduce_scatter_": (1, 1),
+    "_reduce_scatter_base_": (1, 1),
+    "reduce_scatter_tensor_coalesced_": (1, 1),
+    "alltoall_base_": (1, 1),
+}
+_FUNCOL = {
+    "broadcast": (1, 0),
+    "all_reduce": (2, 0),
+    "all_gather_into_tensor": (1, 0),
+    "reduce_scatter_tensor": (1, 0),
+}
+
+
+def _nbytes(x: object) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, list | tuple):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return int(a.size())
+            except (RuntimeError, AttributeError):
+                continue
+        if isinstance(a, list) and a and all(isinstance(r, int) for r in a):
+            return len(a)  # functional collectives: explicit rank list
+        if isinstance(a, str):
+            try:
+                return dist.get_world_size(dist.distributed_c10d._resolve_process_group(a))
+            except (RuntimeError, ValueError, AttributeError):
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class PhaseStats:
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    op_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def bytes(self) -> float:
+        return sum(self.op_bytes.values())
+
+    @property
+    def count(self) -> int:
+        return sum(self.calls.values())
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts collectives and per-rank bytes by phase.
+
+    with CommCounter() as comm:
+        with comm.phase("forward"):
+            loss = model(x)
+        with comm.phase("backward"):
+            loss.backward()
+        with comm.phase("step"):
+            opt.step()
+    comm.stats["step"].count == 0
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, PhaseStats] = defaultdict(PhaseStats)
+        self._phase = "other"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        prev, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = prev
+
+    def total_bytes(self, *phases: str) -> float:
+        return sum(self.stats[p].bytes for p in (phases or tuple(self.stats)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._opname
+        table = _C10D if ns == "c10d" else _FUNCOL if ns == "_c10d_functional" else None
+        if table is not None and name in table:
+            factor, which = table[name]
+            w = _group_size(args, kwargs)
+            payload = _nbytes(args[which]) if which < len(args) else 0
+            if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+                payload = _nbytes(args[1])  # the full input
+            elif name == "all_gather_into_tensor":
+                payload = _nbytes(args[0]) * w  # args[0] is this rank's shard
+            st = self.stats[self._phase]
+            st.calls[name] += 1
+            st.op_bytes[name] += factor * (w - 1) / w * payload if w > 1 else 0.0
+        return func(*args, **kwargs)
+
+
+def broadcast_(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place broadcast from group rank `src` (a no-op on a group of one)."""
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+    return t
+
+
+def reduce_sum_(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place sum onto group rank `dst` (gloo has no AVG; callers divide once at the end)."""
+    if dist.get_world_size(group) > 1:
+        dist.reduce(t, dst=dist.get_global_rank(group, dst), op=dist.ReduceOp.SUM, group=group)
+    return t

@@ -1,0 +1,341 @@
+"""dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
+
+Who holds what (G ranks in the shard group, R replicas under HSDP):
+- the *local owner* of a parameter is shard rank `owner_shard` in every replica; it holds the
+  full parameter between steps. The *global owner*, (owner_shard, owner_replica), holds it in
+  fp32 (the master, when the model is lower precision), its optimizer state, and is the only
+  rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
+- forward: right before a module that uses the parameter runs, the local owner broadcasts it
+  (in the model dtype) to its shard group; the module computes with that gathered copy.
+- backward: the autograd transpose of that broadcast, a sum onto the local owner (stage 1); under
+  HSDP a second sum across the replicate group onto the global owner (stage 2); the global owner
+  divides by G·R (the data-parallel average) into `param.grad`.
+- Z3 (`reshard_after_forward=True`): the gathered copy is not kept for backward: autograd's
+  saved references to it are replaced by a handle and it is broadcast again when backward needs
+  it. Z2 keeps it until backward has used it.
+- after the optimizer step (HSDP), the global owner publishes the new value, in the model dtype,
+  to the local owners of the other replicas; with `replicate_async` the publish runs in the
+  background and is waited on right before the parameter's next gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import _fsdp_adapter as fsdp
+from ._comm import broadcast_, reduce_sum_
+from ._partition import Plan, partition
+from ._plan_check import check_plan_consistent
+
+Predicate = Callable[[str, nn.Parameter], bool]
+STATE_ATTR = "_dmuon_state"
+
+
+@dataclass(eq=False)
+class Entry:
+    """One dedicated parameter (tied names share one entry)."""
+
+    name: str
+    names: tuple[str, ...]
+    shape: torch.Size
+    dtype: torch.dtype  # the model's (compute / communication) dtype
+    owner_shard: int
+    owner_replica: int
+    param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
+    touched: bool = False  # got a gradient this step (identical on every rank that took part)
+    publish: dist.Work | None = None
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) >= 2
+
+
+@dataclass(eq=False)
+class DedicatedState:
+    """What `dedicate_params` attaches to the model (`model._dmuon_state`)."""
+
+    plan: Plan
+    entries: list[Entry]
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    shard_rank: int
+    replica_rank: int
+    shard_size: int
+    replicate_size: int
+    reshard_after_forward: bool
+    by_param: dict[int, Entry] = field(default_factory=dict)
+
+    def is_local_owner(self, e: Entry) -> bool:
+        return self.shard_rank == e.owner_shard
+
+    def is_global_owner(self, e: Entry) -> bool:
+        return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica
+
+    def entry(self, p: torch.Tensor) -> Entry | None:
+        return self.by_param.get(id(p))
+
+    def owners(self) -> dict[str, int | tuple[int, int]]:
+        out: dict[str, int | tuple[int, int]] = {}
+        for e in self.entries:
+            for n in e.names:
+                out[n] = (
+                    e.owner_shard if self.replicate_size == 1 else (e.owner_shard, e.owner_replica)
+                )
+        return out
+
+    def wait_publish(self, e: Entry) -> None:
+        if e.publish is not None:
+            e.publish.wait()
+            e.publish = None
+
+    def publish(self, asynchronous: bool) -> None:
+        """Global owners send updated values to the other replicas (no-op on a 1-D mesh)."""
+        if self.replicate_group is None:
+            for e in self.entries:
+                e.touched = False
+            return
+        for e in self.entries:
+            if not (self.is_local_owner(e) and e.touched):
+                e.touched = False
+                continue
+            e.touched = False
+            self.wait_publish(e)
+            p = e.param
+            if self.is_global_owner(e):
+                buf = p.detach() if p.dtype == e.dtype else p.detach().to(e.dtype)
+            else:
+                buf = p.detach()
+            src = dist.get_global_rank(self.replicate_group, e.owner_replica)
+            work = dist.broadcast(buf, src=src, group=self.replicate_group, async_op=True)
+            if asynchronous:
+                e.publish = work
+            else:
+                work.wait()
+
+
+class _Gather(torch.autograd.Function):
+    """Broadcast from the local owner; backward sums onto it (and onto the global owner)."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, e: Entry, st: DedicatedState) -> torch.Tensor:
+        ctx.e, ctx.st = e, st
+        return _broadcast_value(e, st, p)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        e, st = ctx.e, ctx.st
+        g = grad.to(e.dtype).contiguous().clone()
+        reduce_sum_(g, e.owner_shard, st.shard_group)
+        if st.replicate_group is not None and st.is_local_owner(e):
+            reduce_sum_(g, e.owner_replica, st.replicate_group)
+        e.touched = True
+        if not st.is_global_owner(e):
+            return None, None, None
+        g = g.to(e.param.dtype).div_(st.shard_size * st.replicate_size)
+        return g, None, None
+
+
+def _broadcast_value(e: Entry, st: DedicatedState, p: torch.Tensor) -> torch.Tensor:
+    st.wait_publish(e)
+    if st.is_local_owner(e):
+        buf = p.detach().to(e.dtype, copy=True)
+    else:
+        buf = torch.empty(e.shape, dtype=e.dtype, device=p.device)
+    return broadcast_(buf, e.owner_shard, st.shard_group)
+
+
+class _Z3Saver:
+    """saved_tensors_hooks that keep only a handle to gathered copies and re-gather in backward."""
+
+    def __init__(self, st: DedicatedState) -> None:
+        self.st = st
+        self.live: dict[int, Entry] = {}  # storage ptr of a gathered copy -> its entry
+        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def pack(self, t: torch.Tensor):
+        e = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if e is None:
+            return t
+        return (_HANDLE, e, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, x):
+        if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
+            return x
+        _, e, size, stride, offset = x
+        with torch.no_grad():
+            full = _broadcast_value(e, self.st, e.param)
+        return full.as_strided(size, stride, offset)
+
+
+_HANDLE = object()
+
+
+def _install_hooks(module: nn.Module, slots: list[tuple[str, Entry]], st: DedicatedState) -> None:
+    saver = _Z3Saver(st) if st.reshard_after_forward else None
+
+    def pre(mod: nn.Module, args):
+        for pname, e in slots:
+            full = _Gather.apply(e.param, e, st)
+            if saver is not None:
+                saver.live[full.untyped_storage().data_ptr()] = e
+            mod._parameters[pname] = full  # the module computes with the gathered copy
+        if saver is not None and torch.is_grad_enabled():
+            saver.ctx = torch.autograd.graph.saved_tensors_hooks(saver.pack, saver.unpack)
+            saver.ctx.__enter__()
+
+    def post(mod: nn.Module, args, output):
+        if saver is not None:
+            if saver.ctx is not None:
+                saver.ctx.__exit__(None, None, None)
+                saver.ctx = None
+            saver.live.clear()
+        for pname, e in slots:
+            mod._parameters[pname] = e.param
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+
+
+def _check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be a 1-D DeviceMesh (for HSDP pass hsdp['shard'] and "
+            f"replicate_mesh=hsdp['replicate']), got {mesh!r}"
+        )
+    if replicate_mesh is None:
+        return
+    if not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1:
+        raise ValueError(f"replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
+    names = (mesh.mesh_dim_names, replicate_mesh.mesh_dim_names)
+    if names != (("shard",), ("replicate",)):
+        raise ValueError(
+            "HSDP needs a 2-D mesh named ('replicate', 'shard'): build it with "
+            "init_device_mesh(dev, (R, G), mesh_dim_names=('replicate', 'shard')) and pass "
+            f"mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']; got dim names {names}"
+        )
+    if mesh.size() * replicate_mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks) "
+            f"disagree with the world size {dist.get_world_size()}: they must be the 'shard' and "
+            "'replicate' dims of one 2-D mesh"
+        )
+    shard_ranks = set(mesh.mesh.flatten().tolist())
+    rep_ranks = set(replicate_mesh.mesh.flatten().tolist())
+    if shard_ranks & rep_ranks != {dist.get_rank()}:
+        raise ValueError(
+            "mesh and replicate_mesh disagree: they must be the 'shard' and 'replicate' dims of "
+            "the same 2-D mesh (their groups must cross in exactly this rank)"
+        )
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Predicate | None = None,
+    *,
+    replicate_mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    pure: bool = False,
+) -> dict[str, int | tuple[int, int]]:
+    """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
+
+    mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`).
+    pure: dedicate every parameter (predicate ignored): matrices take Muon and the rest AdamW on
+        their owners, so the model trains with no FSDP2 at all.
+    Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP.
+    """
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise ValueError("dedicate_params was already applied to this model")
+    if fsdp.is_fully_sharded(model):
+        raise ValueError(
+            "dedicate_params must run before fully_shard: FSDP2 already manages parameters of "
+            "this model. Call dedicate_params(model, ...) first, then fully_shard"
+        )
+    if predicate is None and not pure:
+        raise ValueError("pass a predicate(name, param) -> bool, or pure=True to dedicate all")
+    _check_meshes(mesh, replicate_mesh)
+
+    seen: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if pure or predicate(name, p):
+            seen.setdefault(id(p), []).append(name)
+            params[id(p)] = p
+    if not seen:
+        raise ValueError(
+            "predicate matched no parameter: e.g. predicate=lambda n, p: 'proj' in n and "
+            "p.ndim == 2 dedicates the projection matrices"
+        )
+    if not pure:
+        for pid, names in seen.items():
+            if params[pid].ndim < 2:
+                raise ValueError(
+                    f"{names[0]} (shape {tuple(params[pid].shape)}) matched the predicate but is "
+                    "not a matrix: Muon orthogonalizes matrices. Exclude it from the predicate "
+                    "(FSDP2 shards it and Muon applies AdamW), or pass pure=True to dedicate "
+                    "every parameter with AdamW on the owners of non-matrices"
+                )
+
+    G = mesh.size()
+    R = 1 if replicate_mesh is None else replicate_mesh.size()
+    names_in_order = [names[0] for names in seen.values()]
+    shapes = {seen[pid][0]: tuple(params[pid].shape) for pid in seen}
+    non_matrix = [n for n in names_in_order if len(shapes[n]) < 2]
+    plan = partition(shapes, G * R, replicate_size=R, elementwise=non_matrix)
+    check_plan_consistent(plan)
+
+    st = DedicatedState(
+        plan=plan,
+        entries=[],
+        shard_group=mesh.get_group(),
+        replicate_group=None if replicate_mesh is None else replicate_mesh.get_group(),
+        shard_rank=mesh.get_local_rank(),
+        replica_rank=0 if replicate_mesh is None else replicate_mesh.get_local_rank(),
+        shard_size=G,
+        replicate_size=R,
+        reshard_after_forward=reshard_after_forward,
+    )
+    new_params: dict[int, nn.Parameter] = {}
+    for pid, names in seen.items():
+        old = params[pid]
+        owner = plan.owner(names[0])
+        shard, rep = owner if isinstance(owner, tuple) else (owner, 0)
+        e = Entry(names[0], tuple(names), old.shape, old.dtype, shard, rep, old)
+        if st.is_global_owner(e):
+            data = old.detach().to(torch.promote_types(old.dtype, torch.float32), copy=True)
+        elif st.is_local_owner(e):
+            data = old.detach().clone()
+        else:
+            data = torch.empty(0, dtype=old.dtype, device=old.device)
+        e.param = nn.Parameter(data, requires_grad=old.requires_grad)
+        setattr(e.param, fsdp.DEDICATED_ATTR, True)
+        new_params[pid] = e.param
+        st.entries.append(e)
+        st.by_param[id(e.param)] = e
+
+    slots: dict[nn.Module, list[tuple[str, Entry]]] = {}
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and id(p) in new_params:
+                new = new_params[id(p)]
+                module._parameters[pname] = new
+                slots.setdefault(module, []).append((pname, st.by_param[id(new)]))
+    for module, s in slots.items():
+        _install_hooks(module, s, st)
+    setattr(model, STATE_ATTR, st)
+    return st.owners()
+
+
+def dedicated_state(model: nn.Module) -> DedicatedState | None:
+    return getattr(model, STATE_ATTR, None)
+
+
+def param_numel(e: Entry) -> int:
+    return math.prod(e.shape)

@@ -1,0 +1,101 @@
+"""The one module that touches FSDP2 (`fully_shard`) and DTensor internals.
+
+Installed at `import dmuon_fn`:
+- `fully_shard` skips parameters claimed by `dedicate_params` (they join its `ignored_params`),
+  so FSDP2 and dmuon_fn own disjoint sets.
+- `fully_shard(container)` on an `nn.ModuleList`/`nn.ModuleDict` without `forward` (as in the
+  Quick Start's `for layer in model.layers: fully_shard(layer)` over `ModuleDict` layers), which
+  torch 2.13 rejects, is skipped with a one-time note: the container's remaining parameters join
+  the enclosing `fully_shard` group (typically the root's).
+
+The patch replaces the function inside `fully_shard`'s `contract` wrapper, so it holds however
+`fully_shard` was imported (before or after dmuon_fn) and FSDP2's own state lookups stay
+consistent (they key on the same function object).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+DEDICATED_ATTR = "_dmuon_dedicated"
+_STATE_KEY = "__composable_api_state_key"
+_REGISTRY_KEY = "__composable_api_registry_key"
+_noted_containers = False
+
+
+def is_dedicated(p: torch.Tensor) -> bool:
+    return bool(getattr(p, DEDICATED_ATTR, False))
+
+
+def is_dtensor(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def _func_cell() -> Any:
+    for cell in fully_shard.__closure__ or ():
+        if callable(cell.cell_contents) and getattr(cell.cell_contents, "__name__", "") == (
+            "fully_shard"
+        ):
+            return cell
+    raise RuntimeError("dmuon_fn cannot find fully_shard's implementation to patch")
+
+
+def _container_without_forward(module: object) -> bool:
+    return (
+        isinstance(module, nn.ModuleList | nn.ModuleDict)
+        and type(module).forward is nn.Module.forward
+    )
+
+
+def install() -> None:
+    """Patch `fully_shard` once (idempotent)."""
+    cell = _func_cell()
+    original = cell.cell_contents
+    if getattr(original, "_dmuon_patched", False):
+        return
+
+    def patched(module, *args, **kwargs):
+        global _noted_containers
+        if _container_without_forward(module):
+            # undo the state `contract` registered before calling us: FSDP2 must not treat
+            # the container as a nested fully_shard root, or the enclosing group skips it
+            module.__dict__.get(_STATE_KEY, {}).pop(patched, None)
+            module.__dict__.get(_REGISTRY_KEY, {}).pop("fully_shard", None)
+            if not _noted_containers:
+                _noted_containers = True
+                warnings.warn(
+                    f"dmuon_fn: fully_shard({type(module).__name__}) skipped: a container "
+                    "without forward cannot be sharded on its own (torch 2.13); its parameters "
+                    "join the enclosing fully_shard group",
+                    stacklevel=3,
+                )
+            return module
+        modules = [module] if isinstance(module, nn.Module) else list(module)
+        dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
+        if dedicated:
+            ignored = set(kwargs.get("ignored_params") or ()) | dedicated
+            kwargs["ignored_params"] = ignored
+        return original(module, *args, **kwargs)
+
+    patched.__name__ = original.__name__
+    patched.__qualname__ = original.__qualname__
+    patched.__wrapped__ = original
+    patched._dmuon_patched = True
+    cell.cell_contents = patched
