@@ -6,7 +6,9 @@ Importing this package registers every op. Layering: this package imports torch 
 from . import gram_ns_step as _gram_ns_step  # noqa: F401  (each import registers its op)
 from . import lpt_partition as _lpt_partition  # noqa: F401
 from . import ns_step as _ns_step  # noqa: F401
+from . import owner_broadcast as _owner_broadcast  # noqa: F401
 from . import syrk as _syrk  # noqa: F401
+from . import two_stage_reduce as _two_stage_reduce  # noqa: F401
 from ._kernels import KERNELS, describe, kernel_names, resolve_kernel
 from ._registry import OpSpec, register_op, registered_ops
 

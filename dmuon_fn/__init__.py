@@ -5,6 +5,7 @@ from ._backend import get_ns_backend
 from ._coefficients import PRESETS
 from ._comm import CommCounter
 from ._dedicate import dedicate_params
+from ._functional import Config, FnPlan, State, full_params, init, plan, update, value_and_grad
 from ._optim import Muon
 from ._orthogonalize import NSConfig, orthogonalize
 from ._partition import Plan, partition
@@ -24,18 +25,26 @@ __all__ = [
     "PRESETS",
     "AdamWState",
     "CommCounter",
+    "Config",
+    "FnPlan",
     "Muon",
     "MuonState",
     "NSConfig",
     "Plan",
     "PlanMismatchError",
+    "State",
     "adamw_init",
     "adamw_update",
     "check_plan_consistent",
     "dedicate_params",
+    "full_params",
     "get_ns_backend",
+    "init",
     "muon_init",
     "muon_update",
     "orthogonalize",
     "partition",
+    "plan",
+    "update",
+    "value_and_grad",
 ]

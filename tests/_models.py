@@ -104,9 +104,12 @@ def ns_fp32(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return X.T if tall else X
 
 
-def reference(name: str, world: int, steps: int, muon: set[str], hp: dict) -> dict:
+def reference(
+    name: str, world: int, steps: int, muon: set[str], hp: dict, schedule=lambda step: 1.0
+) -> dict:
     """Single-process plain PyTorch: mean loss over every rank's batch, Muon on `muon` names
-    (momentum, Nesterov, fp32 standard NS, 0.2·sqrt(max(m, n)) scale), AdamW on the rest."""
+    (momentum, Nesterov, fp32 standard NS, 0.2·sqrt(max(m, n)) scale), AdamW on the rest; both
+    learning rates multiplied by schedule(step)."""
     model = make(name)
     named = dict(model.named_parameters())
     others = [p for n, p in named.items() if n not in muon]
@@ -115,6 +118,9 @@ def reference(name: str, world: int, steps: int, muon: set[str], hp: dict) -> di
     )
     bufs = {n: torch.zeros_like(named[n]) for n in muon}
     for step in range(steps):
+        lr = hp["lr"] * schedule(step)
+        for g in adamw.param_groups:
+            g["lr"] = hp["adamw_lr"] * schedule(step)
         model.zero_grad()
         loss = sum(model(batch(name, step, r)) for r in range(world)) / world
         loss.backward()
@@ -124,6 +130,6 @@ def reference(name: str, world: int, steps: int, muon: set[str], hp: dict) -> di
                 bufs[n] = hp["momentum"] * bufs[n] + g
                 u = g + hp["momentum"] * bufs[n]
                 scale = 0.2 * math.sqrt(max(p.shape))
-                p.mul_(1 - hp["lr"] * hp["wd"]).sub_(hp["lr"] * scale * ns_fp32(u))
+                p.mul_(1 - lr * hp["wd"]).sub_(lr * scale * ns_fp32(u))
             adamw.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}

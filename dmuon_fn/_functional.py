@@ -1,0 +1,283 @@
+"""The functional API: plan / init / value_and_grad / update, one whole step under
+torch.compile(fullgraph=True).
+
+    plan  = dmuon_fn.plan(model, mesh)                        # pure, from shapes
+    state = dmuon_fn.init(model, plan, dmuon_fn.Config())     # pytree of tensors
+    @torch.compile(fullgraph=True)
+    def train_step(state, batch, lr):
+        loss, grads = dmuon_fn.value_and_grad(loss_fn, plan)(state.params, batch)
+        return loss, dmuon_fn.update(grads, state, lr=lr)
+
+Every parameter is dedicated (FSDP2's hooks cannot be traced in torch 2.13): matrices matched by
+`predicate` take Muon, the rest AdamW, each on its one global owner. `state.params[name]` is the
+full parameter on its local owners and a 0-size placeholder elsewhere; the forward sees full
+parameters through dmuon::owner_broadcast, whose autograd transpose dmuon::two_stage_reduce
+leaves the data-parallel mean gradient on the global owner (zeros shaped like the slot
+elsewhere). Under HSDP `update` publishes the new values to the other replicas' local owners.
+Rank-specific choices (who owns what) are Python constants of the plan, so each rank compiles
+its own graph once; lr, weight decay and step counts are 0-d tensors and never recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._dedicate import _check_meshes
+from ._orthogonalize import NSConfig
+from ._partition import Plan, partition
+from ._plan_check import check_plan_consistent
+from ._update import AdamWState, MuonState, adamw_update, muon_update
+
+Route = tuple[int, int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Hyperparameters that are not per-step tensors."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    adamw_betas: tuple[float, float] = (0.9, 0.999)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.01
+    adjust_lr: str = "match_rms_adamw"
+    ns: NSConfig = field(default_factory=NSConfig)
+    state_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class FnPlan:
+    """Who owns what, for this rank: plain data, hashable, a compile-time constant."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    muon: frozenset[str]
+    routes: tuple[Route, ...]  # per name: (src, is_src, G, rep_src, is_rep_src, R)
+    group: str
+    rep_group: str
+    shard_size: int
+    replicate_size: int
+    partition: Plan
+
+    def route(self, name: str) -> Route:
+        return self.routes[self.names.index(name)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[self.names.index(name)]
+
+    def is_local_owner(self, name: str) -> bool:
+        return bool(self.route(name)[1])
+
+    def is_global_owner(self, name: str) -> bool:
+        r = self.route(name)
+        return bool(r[1] and r[4])
+
+
+class State(NamedTuple):
+    params: dict[str, torch.Tensor]
+    opt: dict[str, MuonState | AdamWState]
+    plan: FnPlan
+    config: Config
+
+
+def plan(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    predicate: Callable[[str, nn.Parameter], bool] | None = None,
+    *,
+    replicate_mesh: DeviceMesh | None = None,
+) -> FnPlan:
+    """Plan ownership of every parameter of `model` (names in `named_parameters()` order).
+
+    mesh None: one process. predicate(name, param) selects the Muon matrices (default: every
+    parameter with 2+ dims); the rest take AdamW.
+    """
+    named = list(model.named_parameters())
+    if not named:
+        raise ValueError("the model has no parameters to plan")
+    predicate = predicate or (lambda n, p: p.ndim >= 2)
+    muon = frozenset(n for n, p in named if predicate(n, p))
+    bad = [n for n in muon if dict(named)[n].ndim < 2]
+    if bad:
+        raise ValueError(f"{bad[0]} is not a matrix: the predicate must select 2+-dim params")
+    if mesh is None:
+        if replicate_mesh is not None:
+            raise ValueError("replicate_mesh needs a shard mesh too")
+        G, R, shard_rank, rep_rank, group, rep_group = 1, 1, 0, 0, "", ""
+    else:
+        _check_meshes(mesh, replicate_mesh)
+        G, shard_rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name
+        R = 1 if replicate_mesh is None else replicate_mesh.size()
+        rep_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
+        rep_group = "" if replicate_mesh is None else replicate_mesh.get_group().group_name
+    shapes = {n: tuple(p.shape) for n, p in named}
+    part = partition(
+        shapes, G * R, replicate_size=R, elementwise=[n for n in shapes if n not in muon]
+    )
+    if dist.is_initialized() and G * R > 1:
+        check_plan_consistent(part)
+    routes = []
+    for n, _ in named:
+        owner = part.owner(n)
+        s, r = owner if isinstance(owner, tuple) else (owner, 0)
+        routes.append((s, int(shard_rank == s), G, r, int(rep_rank == r), R))
+    return FnPlan(
+        names=tuple(n for n, _ in named),
+        shapes=tuple(shapes[n] for n, _ in named),
+        muon=muon,
+        routes=tuple(routes),
+        group=group,
+        rep_group=rep_group,
+        shard_size=G,
+        replicate_size=R,
+        partition=part,
+    )
+
+
+def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
+    """Parameters and optimizer state for this rank: real where it owns, 0-size elsewhere."""
+    config = config or Config()
+    params, opt = {}, {}
+    named = dict(model.named_parameters())
+    for name in fn_plan.names:
+        p = named[name].detach()
+        local = p.clone() if fn_plan.is_local_owner(name) else p.new_empty(0)
+        params[name] = local
+        sd = config.state_dtype
+        full = fn_plan.is_global_owner(name)
+        like = local if full else local.new_empty(0)
+        if name in fn_plan.muon:
+            opt[name] = MuonState(torch.zeros_like(like, dtype=sd))
+        else:
+            opt[name] = AdamWState(
+                torch.zeros((), dtype=torch.float32),
+                torch.zeros_like(like, dtype=sd),
+                torch.zeros_like(like, dtype=sd),
+            )
+    return State(params, opt, fn_plan, config)
+
+
+class _OwnerBroadcast(torch.autograd.Function):
+    """dmuon::owner_broadcast with its transpose, as an autograd.Function so torch.func's
+    grad transform (and dynamo tracing it) can differentiate it."""
+
+    @staticmethod
+    def forward(local, shape, route, group, rep_group, scale):
+        return torch.ops.dmuon.owner_broadcast(local, shape, route, group, rep_group, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        local, _shape, route, group, rep_group, scale = inputs
+        ctx.meta = (list(local.shape), route, group, rep_group, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local_shape, route, group, rep_group, scale = ctx.meta
+        g = torch.ops.dmuon.two_stage_reduce(grad, local_shape, route, group, rep_group, scale)
+        return g, None, None, None, None, None
+
+
+@torch.compiler.allow_in_graph
+def _owner_broadcast(local, shape, route, group, rep_group, scale):
+    # Opaque to dynamo, so AOTAutograd differentiates it under torch.func.grad with the custom
+    # backward above; traced inline, torch 2.13's dynamo drops a custom backward under
+    # torch.func transforms (the gradient came out zero).
+    return _OwnerBroadcast.apply(local, shape, route, group, rep_group, scale)
+
+
+def gather(name: str, local: torch.Tensor, fn_plan: FnPlan) -> torch.Tensor:
+    """The full parameter on every rank of the shard group (differentiable)."""
+    scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)
+    return _owner_broadcast(
+        local,
+        list(fn_plan.shape(name)),
+        list(fn_plan.route(name)),
+        fn_plan.group,
+        fn_plan.rep_group,
+        scale,
+    )
+
+
+def value_and_grad(
+    loss_fn: Callable[[dict[str, torch.Tensor], Any], torch.Tensor], fn_plan: FnPlan
+) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """(params, batch) -> (this rank's loss, grads): loss_fn sees full parameters; each grad is
+    the data-parallel mean on the parameter's global owner, zeros shaped like the slot elsewhere.
+    """
+
+    def full_loss(params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        full = {n: gather(n, params[n], fn_plan) for n in fn_plan.names}
+        return loss_fn(full, batch)
+
+    def run(params: dict[str, torch.Tensor], batch: Any):
+        grads, loss = torch.func.grad_and_value(full_loss)(params, batch)
+        return loss, grads
+
+    return run
+
+
+def update(
+    grads: dict[str, torch.Tensor],
+    state: State,
+    *,
+    lr: torch.Tensor | float,
+    adamw_lr: torch.Tensor | float | None = None,
+    weight_decay: torch.Tensor | float | None = None,
+    adamw_weight_decay: torch.Tensor | float | None = None,
+) -> State:
+    """One optimizer step (pure): Muon or AdamW on the parameters this rank owns, then (HSDP)
+    the publish to the other replicas. adamw_lr defaults to lr."""
+    p_, cfg = state.plan, state.config
+    adamw_lr = lr if adamw_lr is None else adamw_lr
+    wd = cfg.weight_decay if weight_decay is None else weight_decay
+    awd = cfg.adamw_weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    params, opt = dict(state.params), dict(state.opt)
+    for name in p_.names:
+        if p_.is_global_owner(name):
+            if name in p_.muon:
+                params[name], opt[name] = muon_update(
+                    params[name],
+                    grads[name],
+                    opt[name],
+                    lr=lr,
+                    weight_decay=wd,
+                    momentum=cfg.momentum,
+                    nesterov=cfg.nesterov,
+                    adjust_lr=cfg.adjust_lr,
+                    ns=cfg.ns,
+                )
+            else:
+                params[name], opt[name] = adamw_update(
+                    params[name],
+                    grads[name],
+                    opt[name],
+                    lr=adamw_lr,
+                    betas=cfg.adamw_betas,
+                    eps=cfg.adamw_eps,
+                    weight_decay=awd,
+                )
+        if p_.replicate_size > 1 and p_.is_local_owner(name):
+            _src, _, _, rep_src, is_rep_src, R = p_.route(name)
+            params[name] = torch.ops.dmuon.owner_broadcast(
+                params[name],
+                list(p_.shape(name)),
+                [rep_src, is_rep_src, R, 0, 1, 1],
+                p_.rep_group,
+                "",
+                1.0,
+            )
+    return State(params, opt, p_, cfg)
+
+
+def full_params(state: State) -> dict[str, torch.Tensor]:
+    """Every parameter's full value on every rank (for checks and export; one broadcast each)."""
+    with torch.no_grad():
+        return {n: gather(n, state.params[n], state.plan) for n in state.plan.names}
