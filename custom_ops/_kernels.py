@@ -7,12 +7,14 @@ triangle, so the result is exactly symmetric; where one full GEMM is faster (sma
 operands), the result is that GEMM's, symmetric to rounding.
 
 Kernels are plain data in `KERNELS`; which one runs is resolved per device by `resolve_kernel`:
-explicit name > `DMUON_NS_KERNEL` > the device's auto ladder. Nothing here holds a mutable
-"active kernel": the resolved name travels as an argument of every op call.
+explicit name > `DMUON_NS_KERNEL` > the device's auto ladder (evaluated once per device). Nothing
+here holds a mutable "active kernel": the resolved name travels as an argument of every op call.
+The CUDA tensor-core kernels live in `custom_ops.cute` and import their DSLs lazily.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from . import cute
+from .cute import quack_adapter
 
 ENV_VAR = "DMUON_NS_KERNEL"
 
@@ -41,7 +46,8 @@ def _cpu_blocks(n: int, k: int) -> int:
 
 
 def _as_batched(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-2], t.shape[-1])
+    # explicit batch size: reshape(-1, ...) is ambiguous for an empty (k = 0) operand
+    return t.reshape(t.shape[:-2].numel(), t.shape[-2], t.shape[-1])
 
 
 def _mirror_upper_(out: Tensor, bounds: list[int]) -> Tensor:
@@ -118,6 +124,18 @@ def full_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -
     return _triangle_product(A, B, C, alpha, beta, 1)
 
 
+def _tensor_core(triangle: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A tensor-core triangle kernel for fp16/bf16 operands; fp32/fp64 operands (which these
+    kernels do not take), empty shapes and alpha = 0 go through one cuBLAS GEMM (`full_mm`)."""
+
+    def sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+        if A.dtype in (torch.float16, torch.bfloat16) and A.numel() > 0 and alpha != 0.0:
+            return triangle(A, B, C, alpha, beta)
+        return full_mm(A, B, C, alpha, beta)
+
+    return sym_mm
+
+
 @dataclass(frozen=True)
 class Kernel:
     """A symmetric-product kernel.
@@ -161,6 +179,20 @@ KERNELS: dict[str, Kernel] = {
             _on("cpu"),
         ),
         Kernel(
+            "quack",
+            ("cuda",),
+            "quack gemm_symmetric triangle SYRK; fp32/fp64 via cuBLAS",
+            _tensor_core(quack_adapter.sym_mm),
+            quack_adapter.available,
+        ),
+        Kernel(
+            "cute_sm80",
+            ("cuda",),
+            "CuTe DSL triangle SYRK; fp32/fp64 via cuBLAS",
+            _tensor_core(cute.triangle_sym_mm),
+            cute.cute_available,
+        ),
+        Kernel(
             "cublas",
             ("cuda",),
             "universal fallback, full GEMM",
@@ -177,10 +209,11 @@ KERNELS: dict[str, Kernel] = {
     )
 }
 
-# The auto ladder per device type: the first available kernel wins.
+# The auto ladder per device type: the first available kernel wins (quack needs sm_90+, the
+# own CuTe kernel sm_80+; cuBLAS runs everywhere).
 _AUTO_LADDER: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu_syrk",),
-    "cuda": ("cublas",),
+    "cuda": ("quack", "cute_sm80", "cublas"),
 }
 
 
@@ -198,11 +231,10 @@ def resolve_kernel(name: str | None, device: torch.device | str) -> Kernel:
     requested = name if name not in (None, "auto") else os.environ.get(ENV_VAR) or None
     source = "kernel=" if name not in (None, "auto") else f"${ENV_VAR}"
     if requested is None or requested == "auto":
-        for candidate in _AUTO_LADDER.get(device.type, ("torch_mm",)):
-            kernel = KERNELS[candidate]
-            if kernel.available(device)[0]:
-                return kernel
-        return KERNELS["torch_mm"]
+        index = device.index
+        if device.type == "cuda" and index is None and torch.cuda.is_available():
+            index = torch.cuda.current_device()
+        return KERNELS[_auto(device.type, index)]
     if requested not in KERNELS:
         raise ValueError(
             f"unknown NS kernel {requested!r} (from {source}); valid kernels: "
@@ -213,6 +245,17 @@ def resolve_kernel(name: str | None, device: torch.device | str) -> Kernel:
     if not ok:
         raise RuntimeError(f"NS kernel {requested!r} (from {source}) cannot run here: {why}")
     return kernel
+
+
+@functools.cache
+def _auto(device_type: str, index: int | None) -> str:
+    """The first available kernel of the device's ladder; capability and installed packages
+    do not change within a process, so this runs once per device."""
+    device = torch.device(device_type, index)
+    for candidate in _AUTO_LADDER.get(device_type, ("torch_mm",)):
+        if KERNELS[candidate].available(device)[0]:
+            return candidate
+    return "torch_mm"
 
 
 def describe(kernel: Kernel, device: torch.device | str) -> str:

@@ -35,7 +35,9 @@ def test_env_var_is_honoured_and_explicit_wins(monkeypatch):
 
 def test_unknown_kernel_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
-    with pytest.raises(ValueError, match=r"valid kernels: auto, cpu_syrk, cublas, torch_mm"):
+    with pytest.raises(
+        ValueError, match=r"valid kernels: auto, cpu_syrk, cublas, cute_sm80, quack, torch_mm"
+    ):
         get_ns_backend("cpu", kernel="cute_sm90")
     monkeypatch.setenv("DMUON_NS_KERNEL", "bogus")
     with pytest.raises(ValueError, match=r"unknown NS kernel 'bogus' \(from \$DMUON_NS_KERNEL\)"):

@@ -83,6 +83,14 @@ def test_syrk_rejects_bad_shapes():
 
 
 def test_unknown_kernel_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid kernels: auto, cpu_syrk, cublas, torch_mm"):
+    with pytest.raises(
+        ValueError, match="valid kernels: auto, cpu_syrk, cublas, cute_sm80, quack, torch_mm"
+    ):
         torch.ops.dmuon.syrk(torch.randn(4, 3), impl="nope")
-    assert set(custom_ops.kernel_names()) == {"cpu_syrk", "cublas", "torch_mm"}
+    assert set(custom_ops.kernel_names()) == {
+        "cpu_syrk",
+        "cublas",
+        "cute_sm80",
+        "quack",
+        "torch_mm",
+    }

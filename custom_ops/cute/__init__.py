@@ -1,0 +1,101 @@
+"""CUDA tensor-core kernels for the symmetric products: an own CuTe DSL triangle SYRK
+(`cute_sm80`, sm_80+) and an adapter to quack's `gemm_symmetric` (`quack`, sm_90+).
+
+Importing this package needs neither CUDA nor nvidia-cutlass-dsl: the DSL (and quack) are
+imported on the first availability check or kernel call, once per process. Compiled kernels
+are cached on disk, see `_cache.py` for the location ($DMUON_CACHE_DIR or
+~/.cache/dmuon_fn/cute/<arch>/). `_schedule.py` is the CPU emulation of the kernel's tile
+schedule that CI runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._operands import finish, prepare
+
+# grid z is the batch; CUDA caps it at 65535
+_MAX_GRID_Z = 65535
+
+
+@functools.cache
+def dsl_import_error() -> str:
+    """'' when nvidia-cutlass-dsl imports, else why not (checked once per process)."""
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as e:
+        return (
+            f"nvidia-cutlass-dsl is not importable ({type(e).__name__}: {e}); "
+            "install it with `pip install dmuon_fn[cute]`"
+        )
+    return ""
+
+
+def cuda_arch(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def target_arch(device: torch.device) -> str:
+    """The compile target of `device`, as CuTe DSL names it: sm_80, sm_86, sm_90a, sm_100a."""
+    major, minor = cuda_arch(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def cuda_check(device: torch.device, min_cap: tuple[int, int]) -> str:
+    """'' when `device` is a CUDA device of at least `min_cap`, else why not."""
+    if device.type != "cuda":
+        return f"runs on cuda only, not {device.type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    major, minor = cuda_arch(device)
+    if (major, minor) < min_cap:
+        return (
+            f"needs compute capability >= {min_cap[0]}.{min_cap[1]}, "
+            f"this device has {major}.{minor}"
+        )
+    return ""
+
+
+def cute_available(device: torch.device) -> tuple[bool, str]:
+    why = cuda_check(device, (8, 0)) or dsl_import_error()
+    return not why, why
+
+
+def triangle_sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """alpha·A·B + beta·C with the CuTe triangle kernel; A: (..., n, k) fp16/bf16 on CUDA,
+    B: (..., k, n), C: (..., n, n) symmetric or None. Exactly symmetric output, A's dtype.
+    The caller routes empty shapes, alpha = 0 and other dtypes elsewhere."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_ptr
+
+    from ._cache import get_kernel
+
+    lead = A.shape[:-2]
+    use_c = C is not None and beta != 0.0
+    ops = prepare(A, B, C if use_c else None)
+    el = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[A.dtype]
+    dtype = str(A.dtype).removeprefix("torch.")
+    L = ops.P.shape[0]
+    D = torch.empty((L, ops.n8, ops.n8), dtype=A.dtype, device=A.device)
+    with torch.cuda.device(A.device):
+        kernel = get_kernel(target_arch(A.device), dtype, ops.q_k_major, use_c)
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        for b0 in range(0, L, _MAX_GRID_Z):
+            b1 = min(L, b0 + _MAX_GRID_Z)
+            p, q, d = ops.P[b0:b1], ops.B[b0:b1], D[b0:b1]
+            c = ops.C[b0:b1] if ops.C is not None else d
+
+            def ptr(t: Tensor):
+                return make_ptr(el, t.data_ptr(), cutlass.AddressSpace.gmem, assumed_align=16)
+
+            kernel(
+                ptr(p), ptr(q), ptr(c), ptr(d),
+                Int32(ops.n8), Int32(ops.k8), Int32(b1 - b0),
+                Float32(alpha), Float32(beta), stream,
+            )  # fmt: skip
+    return finish(D, ops, lead)

@@ -1,0 +1,99 @@
+"""Compiled CuTe DSL kernels: compiled once per process, kept on disk across processes.
+
+Location: `$DMUON_CACHE_DIR/cute/<arch>/<key>.o` when DMUON_CACHE_DIR is set, else
+`$XDG_CACHE_HOME/dmuon_fn/cute/<arch>/<key>.o` (XDG_CACHE_HOME defaults to ~/.cache).
+<arch> is the target ("sm_80", "sm_90a", ...); <key> is a hash of the kernel source
+(`syrk_sm80.py`), the installed nvidia-cutlass-dsl version and the variant (dtype, Q's major
+mode, whether C is read, tile config), so a changed kernel or DSL never loads a stale object.
+Deleting the directory is always safe.
+
+One variant is compiled at most once per process and, through a lock file next to the object,
+once per machine: ranks that share a node wait for the first compile and load its object.
+There is no autotuning: each variant has one fixed tile configuration (`TileConfig`), so the
+first step costs one compile per variant (seconds), never a search or extra GPU memory.
+The disk cache is an optimization only: when exporting or loading an object fails, a warning
+says so and the kernel compiled in memory runs; DMUON_CUTE_DISK_CACHE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    base = os.environ.get("DMUON_CACHE_DIR")
+    if base:
+        return Path(base) / "cute"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "dmuon_fn" / "cute"
+
+
+def variant_key(dtype: str, q_k_major: bool, has_c: bool, cfg) -> str:
+    """Hash of kernel source + DSL version + variant: the object file's name."""
+    import cutlass
+
+    from . import syrk_sm80
+
+    h = hashlib.sha256()
+    h.update(Path(syrk_sm80.__file__).read_bytes())
+    h.update(f"cutlass-dsl={cutlass.__version__}".encode())
+    h.update(repr((dtype, q_k_major, has_c, cfg)).encode())
+    return h.hexdigest()[:24]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load(obj: Path, prefix: str):
+    import cutlass.cute as cute
+
+    return cute.runtime.load_module(str(obj))[prefix]
+
+
+def _export(fn, obj: Path, prefix: str) -> None:
+    with tempfile.TemporaryDirectory(dir=obj.parent) as tmp:
+        fn.export_to_c(tmp, prefix, function_prefix=prefix)
+        os.replace(Path(tmp) / f"{prefix}.o", obj)
+
+
+@functools.cache
+def get_kernel(arch: str, dtype: str, q_k_major: bool, has_c: bool):
+    """The compiled triangle SYRK for one (arch, variant): from memory, disk, or a compile."""
+    from . import syrk_sm80
+
+    cfg = syrk_sm80.TileConfig()
+    if os.environ.get("DMUON_CUTE_DISK_CACHE", "1") == "0":
+        return syrk_sm80.compile_kernel(dtype, q_k_major, has_c, arch, cfg)
+    prefix = "dmuon_syrk_" + variant_key(dtype, q_k_major, has_c, cfg)
+    obj = cache_root() / arch / f"{prefix}.o"
+    try:
+        with _locked(obj.with_suffix(".lock")):
+            if obj.exists():
+                try:
+                    return _load(obj, prefix)
+                except Exception as e:  # a truncated or foreign object is a miss
+                    warnings.warn(f"dmuon_fn: recompiling, cannot load {obj}: {e}", stacklevel=2)
+            fn = syrk_sm80.compile_kernel(dtype, q_k_major, has_c, arch, cfg)
+            try:
+                _export(fn, obj, prefix)
+            except Exception as e:
+                warnings.warn(f"dmuon_fn: not caching {obj} on disk: {e}", stacklevel=2)
+            return fn
+    except OSError as e:  # unwritable cache directory: compile in memory only
+        warnings.warn(f"dmuon_fn: CuTe kernel disk cache unusable ({e})", stacklevel=2)
+        return syrk_sm80.compile_kernel(dtype, q_k_major, has_c, arch, cfg)

@@ -1,0 +1,78 @@
+"""Operand preparation shared by the CUDA triangle kernels (torch only, no CuTe import).
+
+Both tensor-core kernels read 16-byte vectors, so they take (L, n, k) / (L, k, n) operands whose
+contiguous extents are multiples of 8 elements and whose base pointers are 16-byte aligned.
+`prepare` returns such operands without copying in the common cases (a contiguous A with
+B = A.mT, or a contiguous symmetric-product operand B) and otherwise copies, zero-padding n and
+k up to multiples of 8: zero rows of P and Q give zero rows and columns of the product and zero
+k columns add nothing, so the top-left n×n block of the padded result is the product.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16
+
+
+class Operands(NamedTuple):
+    """P: (L, n8, k8) row-major. B: (L, k8, n8) with B.mT row-major (q_k_major) or B row-major.
+    C: (L, n8, n8) row-major or None. n8, k8: n, k rounded up to multiples of 8."""
+
+    P: Tensor
+    B: Tensor
+    q_k_major: bool
+    C: Tensor | None
+    n: int
+    n8: int
+    k8: int
+
+
+def _round8(x: int) -> int:
+    return -(-x // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+def _aligned(t: Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """t itself when row-major and 16-byte aligned, else a fresh (aligned) contiguous copy."""
+    if t.is_contiguous() and _aligned(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def prepare(A: Tensor, B: Tensor, C: Tensor | None) -> Operands:
+    """A: (..., n, k), B: (..., k, n), C: (..., n, n) or None -> kernel operands (batch
+    flattened)."""
+    n, k = A.shape[-2], A.shape[-1]
+    A3 = A.reshape(-1, n, k)
+    B3 = B.reshape(-1, k, n)
+    C3 = None if C is None else C.reshape(-1, n, n)
+    n8, k8 = _round8(n), _round8(k)
+    if (n8, k8) != (n, k):
+        P = F.pad(A3, (0, k8 - k, 0, n8 - n))
+        Bt = F.pad(B3.mT, (0, k8 - k, 0, n8 - n))
+        Cp = None if C3 is None else F.pad(C3, (0, n8 - n, 0, n8 - n))
+        return Operands(P, Bt.mT, True, Cp, n, n8, k8)
+    P = _row_major(A3)
+    Bt = B3.mT
+    if Bt.is_contiguous() and _aligned(Bt):
+        Bop, k_major = B3, True  # SYRK: B = A.mT, Q = A
+    elif B3.is_contiguous() and _aligned(B3):
+        Bop, k_major = B3, False  # a row-major (k, n) operand, read N-major
+    else:
+        Bop, k_major = _row_major(Bt).mT, True
+    return Operands(P, Bop, k_major, None if C3 is None else _row_major(C3), n, n8, k8)
+
+
+def finish(D: Tensor, ops: Operands, lead: tuple[int, ...]) -> Tensor:
+    """The (L, n8, n8) kernel output as (..., n, n), cropping any padding."""
+    if ops.n8 != ops.n:
+        D = D[:, : ops.n, : ops.n].contiguous()
+    return D.reshape(*lead, ops.n, ops.n)

@@ -1,0 +1,499 @@
+"""CuTe DSL triangle SYRK for sm_80+: D = alpha·P·Qᵀ + beta·C on the upper tile triangle, mirrored.
+
+P, Q: (L, n, k) fp16/bf16, P K-major (row-major); Q K-major (Q = P for SYRK) or N-major
+(Q = Bᵀ of a row-major (k, n) B, as in the Gram products). C, D: (L, n, n) row-major, C
+symmetric (only its upper tiles are read). n and k must be multiples of 8 and every base
+pointer 16-byte aligned (128-bit cp.async / stores); the caller
+(`custom_ops.cute.triangle_sym_mm`) pads other shapes with zeros. The int32 tile index bounds
+n to 2**21 (16384 tiles a side).
+
+Design (an Ampere tensor-core GEMM restricted to one triangle; `_schedule.py` emulates it):
+- grid (T·(T+1)/2, 1, L), T = ceil(n / 128): CTA t computes tile (i, j), i ≤ j, t = j(j+1)/2 + i.
+- 128×128×32 CTA tile, 4 warps (2×2), `mma.sync` m16n8k16 with fp32 accumulators; a 3-stage
+  cp.async pipeline into swizzled shared memory, ldmatrix into registers. The ragged k slab
+  comes first (origin shifted by k − 32·ceil(k/32) ≤ 0, negative columns predicated off), rows
+  ≥ n are predicated off; zero-filled shared memory stands in for them.
+- epilogue: acc ← alpha·acc + beta·C[i, j] in fp32 (C's tile staged through shared memory),
+  rounded to the output dtype into a shared-memory tile; a diagonal tile copies its upper
+  triangle onto its lower one; the tile is stored to D[i, j] with row-vectors and, when i ≠ j,
+  to D[j, i] with column-vectors of the same tile (D viewed transposed), so D is exactly
+  symmetric.
+
+This module imports `cutlass` (nvidia-cutlass-dsl) at import time; import it lazily.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.tensor_utils import LayoutEnum
+
+try:
+    from cutlass.memory import SmemAllocator
+except ImportError:  # nvidia-cutlass-dsl < 4.8
+    from cutlass.utils import SmemAllocator
+
+DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """CTA tile (square in m, n), k slab, pipeline depth, warp grid. Part of the cache key."""
+
+    tile: int = 128
+    tile_k: int = 32
+    stages: int = 3
+    warps_m: int = 2
+    warps_n: int = 2
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+
+class TriangleSyrk:
+    """One compiled variant: dtype, Q's major mode, whether C is read, tile config."""
+
+    def __init__(self, dtype: str, q_k_major: bool, has_c: bool, cfg: TileConfig = TileConfig()):
+        self.dtype = DTYPES[dtype]
+        self.q_major = LayoutEnum.ROW_MAJOR if q_k_major else LayoutEnum.COL_MAJOR
+        self.has_c = has_c
+        self.cfg = cfg
+        self.bM = self.bN = cfg.tile
+        self.bK = cfg.tile_k
+        self.cta_tiler = (self.bM, self.bN, self.bK)
+        self.num_threads = cfg.threads
+        self.copy_bits = 128
+        self.copy_elems = self.copy_bits // self.dtype.width
+
+    @cute.jit
+    def __call__(
+        self,
+        pP: cute.Pointer,
+        pQ: cute.Pointer,
+        pC: cute.Pointer,
+        pD: cute.Pointer,
+        n: Int32,
+        k: Int32,
+        batch: Int32,
+        alpha: Float32,
+        beta: Float32,
+        stream: cuda.CUstream,
+    ):
+        n = cute.assume(n, divby=8)
+        k = cute.assume(k, divby=8)
+        nk = cute.assume(Int64(n) * Int64(k), divby=64)
+        nn = cute.assume(Int64(n) * Int64(n), divby=64)
+        mP = cute.make_tensor(pP, cute.make_layout((n, k, batch), stride=(k, 1, nk)))
+        if cutlass.const_expr(self.q_major == LayoutEnum.ROW_MAJOR):
+            mQ = cute.make_tensor(pQ, cute.make_layout((n, k, batch), stride=(k, 1, nk)))
+        else:
+            mQ = cute.make_tensor(pQ, cute.make_layout((n, k, batch), stride=(1, n, nk)))
+        mC = cute.make_tensor(pC, cute.make_layout((n, n, batch), stride=(n, 1, nn)))
+        mD = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(n, 1, nn)))
+        # D seen transposed: element (r, c) of mDt is D[c, r], so tile (i, j) of mDt is the
+        # mirror image of tile (i, j) of D.
+        mDt = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(1, n, nn)))
+
+        sP_layout = self._smem_layout_ab(LayoutEnum.ROW_MAJOR, (self.bM, self.bK, self.cfg.stages))
+        sQ_layout = self._smem_layout_ab(self.q_major, (self.bN, self.bK, self.cfg.stages))
+        sD_layout = self._smem_layout_d((self.bM, self.bN))
+        smem_bytes = max(
+            cute.size_in_bytes(self.dtype, sP_layout) + cute.size_in_bytes(self.dtype, sQ_layout),
+            cute.size_in_bytes(self.dtype, sD_layout),
+        )
+
+        g2s = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=self.copy_bits,
+        )
+        copy_P = self._gmem_tiled_copy(g2s, LayoutEnum.ROW_MAJOR, self.bM, self.bK)
+        copy_Q = self._gmem_tiled_copy(g2s, self.q_major, self.bN, self.bK)
+        r2g = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=self.copy_bits
+        )
+        copy_D = self._gmem_tiled_copy(r2g, LayoutEnum.ROW_MAJOR, self.bM, self.bN)
+        copy_Dt = self._gmem_tiled_copy(r2g, LayoutEnum.COL_MAJOR, self.bM, self.bN)
+
+        mma_op = cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
+        warp_grid = cute.make_layout((self.cfg.warps_m, self.cfg.warps_n, 1))
+        tiled_mma = cute.make_tiled_mma(
+            mma_op,
+            warp_grid,
+            permutation_mnk=(self.cfg.warps_m * 16, self.cfg.warps_n * 16, 16),
+        )
+
+        tiles = (n + self.bM - 1) // self.bM
+        self.kernel(
+            mP, mQ, mC, mD, mDt, alpha, beta,
+            sP_layout, sQ_layout, sD_layout,
+            copy_P, copy_Q, copy_D, copy_Dt, tiled_mma,
+        ).launch(
+            grid=(tiles * (tiles + 1) // 2, 1, batch),
+            block=(self.num_threads, 1, 1),
+            smem=smem_bytes,
+            stream=stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mP: cute.Tensor,
+        mQ: cute.Tensor,
+        mC: cute.Tensor,
+        mD: cute.Tensor,
+        mDt: cute.Tensor,
+        alpha: Float32,
+        beta: Float32,
+        sP_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout,
+        sD_layout: cute.ComposedLayout,
+        copy_P: cute.TiledCopy,
+        copy_Q: cute.TiledCopy,
+        copy_D: cute.TiledCopy,
+        copy_Dt: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, bidz = cute.arch.block_idx()
+        n = mP.shape[0]
+
+        # ---- tile (i, j), i <= j, of CTA t = j(j+1)/2 + i (same arithmetic as _schedule) ----
+        t = Int32(bidx)
+        j = Int32((cute.math.sqrt(Float32(8 * t + 1)) - Float32(1.0)) * Float32(0.5))
+        if (j + 1) * (j + 2) // 2 <= t:
+            j = j + 1
+        if j * (j + 1) // 2 > t:
+            j = j - 1
+        i = t - j * (j + 1) // 2
+        coord = (i, j, None)
+
+        # ---- global tiles; the ragged k slab first ----
+        gP = cute.local_tile(mP[None, None, bidz], self.cta_tiler, coord, proj=(1, None, 1))
+        gQ = cute.local_tile(mQ[None, None, bidz], self.cta_tiler, coord, proj=(None, 1, 1))
+        residual_k = cute.size(mP, mode=[1]) - Int32(self.bK) * cute.size(gP, mode=[2])
+        gP = cute.domain_offset((0, residual_k, 0), gP)
+        gQ = cute.domain_offset((0, residual_k, 0), gQ)
+        gP = cute.make_tensor(gP.iterator.align(16), gP.layout)
+        gQ = cute.make_tensor(gQ.iterator.align(16), gQ.layout)
+        # coordinate tensors (for predicates only)
+        cP = cute.local_tile(
+            cute.make_identity_tensor(mP.layout.shape)[None, None, bidz],
+            self.cta_tiler, coord, proj=(1, None, 1),
+        )  # fmt: skip
+        cQ = cute.local_tile(
+            cute.make_identity_tensor(mQ.layout.shape)[None, None, bidz],
+            self.cta_tiler, coord, proj=(None, 1, 1),
+        )  # fmt: skip
+        cP = cute.domain_offset((0, residual_k, 0), cP)
+        cQ = cute.domain_offset((0, residual_k, 0), cQ)
+
+        smem = SmemAllocator()
+        sP = smem.allocate_tensor(self.dtype, sP_layout, 16)
+        sQ = smem.allocate_tensor(self.dtype, sQ_layout, 16)
+        # the output tile reuses the operand buffers once the main loop is done
+        sD = cute.make_tensor(cute.recast_ptr(sP.iterator, dtype=self.dtype), sD_layout)
+
+        thr_P = copy_P.get_slice(tidx)
+        thr_Q = copy_Q.get_slice(tidx)
+        tPgP = thr_P.partition_S(gP)
+        tPsP = thr_P.partition_D(sP)
+        tQgQ = thr_Q.partition_S(gQ)
+        tQsQ = thr_Q.partition_D(sQ)
+        tPcP = thr_P.partition_S(cP)
+        tQcQ = thr_Q.partition_S(cQ)
+
+        # row predicates (rows >= n read nothing), one per copy atom, broadcast over k
+        tPpP = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tPgP.shape[0][1], cute.size(tPgP, mode=[1]), cute.size(tPgP, mode=[2])),
+                stride=(cute.size(tPgP, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        tQpQ = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tQgQ.shape[0][1], cute.size(tQgQ, mode=[1]), cute.size(tQgQ, mode=[2])),
+                stride=(cute.size(tQgQ, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        for rv in cutlass.range_constexpr(tPpP.shape[0]):
+            for m in cutlass.range_constexpr(tPpP.shape[1]):
+                tPpP[rv, m, 0] = cute.elem_less(tPcP[(0, rv), m, 0, 0][0], n)
+        for rv in cutlass.range_constexpr(tQpQ.shape[0]):
+            for m in cutlass.range_constexpr(tQpQ.shape[1]):
+                tQpQ[rv, m, 0] = cute.elem_less(tQcQ[(0, rv), m, 0, 0][0], n)
+
+        # ---- prologue: zero the stages, then prefetch stages - 1 slabs ----
+        tPsP.fill(0)
+        tQsQ.fill(0)
+        cute.arch.sync_threads()
+        stages = cute.size(tPsP, mode=[3])
+        k_tiles = cute.size(tPgP, mode=[3])
+        k_next = Int32(0)
+        # first (ragged) slab: k columns < 0 stay zero
+        for kk in cutlass.range_constexpr(tPpP.shape[2]):
+            if cute.elem_less(Int32(-1), tPcP[0, 0, kk, 0][1]):
+                cute.copy(
+                    copy_P, tPgP[None, None, kk, k_next], tPsP[None, None, kk, 0],
+                    pred=tPpP[None, None, kk],
+                )  # fmt: skip
+        for kk in cutlass.range_constexpr(tQpQ.shape[2]):
+            if cute.elem_less(Int32(-1), tQcQ[0, 0, kk, 0][1]):
+                cute.copy(
+                    copy_Q, tQgQ[None, None, kk, k_next], tQsQ[None, None, kk, 0],
+                    pred=tQpQ[None, None, kk],
+                )  # fmt: skip
+        k_next = k_next + 1
+        cute.arch.cp_async_commit_group()
+        for s in cutlass.range_constexpr(1, self.cfg.stages - 1):
+            if s == k_tiles:
+                tPpP.fill(0)
+                tQpQ.fill(0)
+            cute.copy(copy_P, tPgP[None, None, None, k_next], tPsP[None, None, None, s], pred=tPpP)
+            cute.copy(copy_Q, tQgQ[None, None, None, k_next], tQsQ[None, None, None, s], pred=tQpQ)
+            k_next = k_next + 1
+            cute.arch.cp_async_commit_group()
+
+        # ---- MMA partitions and the shared -> register (ldmatrix) copies ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsP = thr_mma.partition_A(sP)
+        tCsQ = thr_mma.partition_B(sQ)
+        tCgD = thr_mma.partition_C(
+            cute.local_tile(mD[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
+        )
+        tCrP = tiled_mma.make_fragment_A(tCsP[None, None, None, 0])
+        tCrQ = tiled_mma.make_fragment_B(tCsQ[None, None, None, 0])
+        acc = tiled_mma.make_fragment_C(tCgD)
+        acc.fill(0.0)
+
+        s2r_P = cute.make_tiled_copy_A(
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype),
+            tiled_mma,
+        )
+        s2r_Q = cute.make_tiled_copy_B(
+            cute.make_copy_atom(
+                cute.nvgpu.warp.LdMatrix8x8x16bOp(self.q_major != LayoutEnum.ROW_MAJOR, 4),
+                self.dtype,
+            ),
+            tiled_mma,
+        )
+        thr_s2r_P = s2r_P.get_slice(tidx)
+        thr_s2r_Q = s2r_Q.get_slice(tidx)
+        tCsP_v = thr_s2r_P.partition_S(sP)
+        tCrP_v = thr_s2r_P.retile(tCrP)
+        tCsQ_v = thr_s2r_Q.partition_S(sQ)
+        tCrQ_v = thr_s2r_Q.retile(tCrQ)
+
+        pipe_read = Int32(0)
+        pipe_write = Int32(stages - 1)
+        tCsP_p = tCsP_v[None, None, None, pipe_read]
+        tCsQ_p = tCsQ_v[None, None, None, pipe_read]
+        k_blocks = cute.size(tCrP, mode=[2])
+        if cutlass.const_expr(k_blocks > 1):
+            cute.arch.cp_async_wait_group(self.cfg.stages - 2)
+            cute.arch.sync_threads()
+            cute.copy(s2r_P, tCsP_p[None, None, 0], tCrP_v[None, None, 0])
+            cute.copy(s2r_Q, tCsQ_p[None, None, 0], tCrQ_v[None, None, 0])
+
+        # ---- main loop ----
+        for _kt in range(k_tiles):
+            for kb in cutlass.range(k_blocks, unroll_full=True):
+                if kb == k_blocks - 1:
+                    tCsP_p = tCsP_v[None, None, None, pipe_read]
+                    tCsQ_p = tCsQ_v[None, None, None, pipe_read]
+                    cute.arch.cp_async_wait_group(self.cfg.stages - 2)
+                    cute.arch.sync_threads()
+                kb_next = (kb + 1) % k_blocks
+                cute.copy(s2r_P, tCsP_p[None, None, kb_next], tCrP_v[None, None, kb_next])
+                cute.copy(s2r_Q, tCsQ_p[None, None, kb_next], tCrQ_v[None, None, kb_next])
+                # nested ifs, not `and`: each condition is a staged (runtime) branch
+                if kb == 0:  # noqa: SIM102
+                    if k_next < k_tiles:
+                        cute.copy(
+                            copy_P, tPgP[None, None, None, k_next],
+                            tPsP[None, None, None, pipe_write], pred=tPpP,
+                        )  # fmt: skip
+                cute.gemm(tiled_mma, acc, tCrP[None, None, kb], tCrQ[None, None, kb], acc)
+                if kb == 0:
+                    if k_next < k_tiles:
+                        cute.copy(
+                            copy_Q, tQgQ[None, None, None, k_next],
+                            tQsQ[None, None, None, pipe_write], pred=tQpQ,
+                        )  # fmt: skip
+                    k_next = k_next + 1
+                    cute.arch.cp_async_commit_group()
+                    pipe_write = pipe_read
+                    pipe_read = pipe_read + 1
+                    if pipe_read == stages:
+                        pipe_read = Int32(0)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # ---- epilogue: alpha·acc + beta·C[i, j] in fp32, rounded into the shared tile ----
+        gD = cute.local_tile(mD[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
+        cD = cute.local_tile(
+            cute.make_identity_tensor((n, n)), self.cta_tiler, coord, proj=(1, 1, None)
+        )
+        if cutlass.const_expr(self.has_c):
+            # C's tile goes through shared memory (coalesced 128-bit loads, zero outside n)
+            # and is read back in the accumulator's layout, updating acc in place: loading it
+            # straight from global memory into a second fragment runs out of registers.
+            gC = cute.local_tile(mC[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
+            self._load_tile(copy_D, tidx, gC, sD, cD, n)
+            cute.arch.sync_threads()
+            tCsC = thr_mma.partition_C(sD)
+            for e in cutlass.range(cute.size(acc), unroll_full=True):
+                acc[e] = acc[e] * alpha + Float32(tCsC[e]) * beta
+            cute.arch.sync_threads()
+        else:
+            for e in cutlass.range(cute.size(acc), unroll_full=True):
+                acc[e] = acc[e] * alpha
+        rD = cute.make_fragment_like(acc, self.dtype)
+        rD.store(acc.load().to(self.dtype))
+        cute.autovec_copy(rD, thr_mma.partition_C(sD))
+        cute.arch.sync_threads()
+
+        if i == j:
+            # diagonal tile: lower triangle := upper triangle, so D is exactly symmetric
+            for e in range(tidx, self.bM * self.bN, self.num_threads):
+                r = e // self.bN
+                c = e - r * self.bN
+                if r > c:
+                    sD[r, c] = sD[c, r]
+            cute.arch.sync_threads()
+
+        self._store_tile(copy_D, tidx, sD, gD, cD, n, True)
+        if i != j:
+            gDt = cute.local_tile(mDt[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
+            self._store_tile(copy_Dt, tidx, sD, gDt, cD, n, False)
+
+    @cute.jit
+    def _load_tile(self, tiled_copy, tidx, gIn, sD, cIn, n):
+        """Global tile -> registers (128-bit, predicated to rows and cols < n, else zero) ->
+        shared tile."""
+        thr = tiled_copy.get_slice(tidx)
+        tSg = thr.partition_S(gIn)
+        tSs = thr.partition_D(sD)
+        tSc = thr.partition_S(cIn)
+        frag = cute.make_rmem_tensor(tSg.shape, self.dtype)
+        frag.fill(0)
+        pred = cute.make_rmem_tensor(
+            (tSg.shape[0][1], cute.size(tSg, mode=[1]), cute.size(tSg, mode=[2])),
+            cutlass.Boolean,
+        )
+        for rv in cutlass.range_constexpr(pred.shape[0]):
+            for m in cutlass.range_constexpr(pred.shape[1]):
+                for c in cutlass.range_constexpr(pred.shape[2]):
+                    pred[rv, m, c] = cute.elem_less(tSc[(0, rv), m, c], (n, n))
+        cute.copy(tiled_copy, tSg, frag, pred=pred)
+        cute.autovec_copy(frag, tSs)
+
+    @cute.jit
+    def _store_tile(self, tiled_copy, tidx, sD, gOut, cOut, n, rows: cutlass.Constexpr[bool]):
+        """Shared tile -> registers -> 128-bit predicated global stores (rows and cols < n).
+        rows: vectors run along tile rows (contiguous in shared memory, read as vectors);
+        else along columns (gathered element by element)."""
+        thr = tiled_copy.get_slice(tidx)
+        tSs = thr.partition_S(sD)
+        tSg = thr.partition_D(gOut)
+        tSc = thr.partition_D(cOut)
+        frag = cute.make_rmem_tensor(tSg.shape, self.dtype)
+        if cutlass.const_expr(rows):
+            cute.autovec_copy(tSs, frag)
+        else:
+            for e in cutlass.range(cute.size(frag), unroll_full=True):
+                frag[e] = tSs[e]
+        pred = cute.make_rmem_tensor(
+            (tSg.shape[0][1], cute.size(tSg, mode=[1]), cute.size(tSg, mode=[2])),
+            cutlass.Boolean,
+        )
+        for rv in cutlass.range_constexpr(pred.shape[0]):
+            for m in cutlass.range_constexpr(pred.shape[1]):
+                for c in cutlass.range_constexpr(pred.shape[2]):
+                    pred[rv, m, c] = cute.elem_less(tSc[(0, rv), m, c], (n, n))
+        cute.copy(tiled_copy, frag, tSg, pred=pred)
+
+    def _smem_layout_ab(self, major, tiler):
+        """Swizzled (rows, bK, stages) operand buffer: 8-row atoms of up to 64 contiguous
+        elements (k-contiguous for K-major, row-contiguous for N-major) with an XOR swizzle
+        so that cp.async writes and ldmatrix reads hit distinct banks."""
+        contiguous = tiler[1] if major == LayoutEnum.ROW_MAJOR else tiler[0]
+        contiguous = min(contiguous, 64)
+        swizzle_bits = min(int(math.log2(contiguous * self.dtype.width // self.copy_bits)), 3)
+        if major == LayoutEnum.ROW_MAJOR:
+            atom = cute.make_layout((8, contiguous), stride=(contiguous, 1))
+        else:
+            atom = cute.make_layout((contiguous, 8), stride=(1, contiguous))
+        atom = cute.make_composed_layout(cute.make_swizzle(swizzle_bits, 3, 3), 0, atom)
+        return cute.tile_to_shape(atom, tiler, (0, 1, 2))
+
+    def _smem_layout_d(self, tiler):
+        """Row-major swizzled output tile, read back by row- and by column-vectors."""
+        atom = cute.make_layout((8, 64), stride=(64, 1))
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, atom)
+        return cute.tile_to_shape(atom, tiler, (0, 1))
+
+    def _gmem_tiled_copy(self, atom, major, rows, cols):
+        """128-bit copies of a (rows, cols) tile by all threads, vectors along the contiguous
+        mode (cols for ROW_MAJOR, rows for COL_MAJOR)."""
+        v = self.copy_elems
+        if major == LayoutEnum.ROW_MAJOR:
+            per_row = cols // v
+            threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
+            values = cute.make_layout((1, v))
+        else:
+            per_col = rows // v
+            threads = cute.make_layout((per_col, self.num_threads // per_col), stride=(1, per_col))
+            values = cute.make_layout((v, 1))
+        return cute.make_tiled_copy_tv(atom, threads, values)
+
+
+def compile_kernel(
+    dtype: str,
+    q_k_major: bool,
+    has_c: bool,
+    arch: str,
+    cfg: TileConfig = TileConfig(),
+    keep_dir: str | None = None,
+    extra_options: str = "",
+):
+    """cute.compile one variant for `arch` ("sm_80", "sm_90a", ...); needs no GPU.
+
+    keep_dir: when given (an existing directory), the PTX and cubin are written there.
+    extra_options: more cute.compile options, e.g. "--ptxas-options=-v remarks{ptx}" to have
+    ptxas report registers and spills on stderr.
+    Returns the compiled function: call it as (pP, pQ, pC, pD, n, k, batch, alpha, beta,
+    stream) with 16-byte-aligned global pointers from `cute.runtime.make_ptr`.
+    """
+    el = DTYPES[dtype]
+
+    def ptr():
+        return cute.runtime.make_ptr(el, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    options = f"--gpu-arch {arch} {extra_options}".strip()
+    if keep_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
+    op = TriangleSyrk(dtype, q_k_major, has_c, cfg)
+    return cute.compile(
+        op,
+        ptr(),
+        ptr(),
+        ptr(),
+        ptr(),
+        Int32(8),
+        Int32(8),
+        Int32(1),
+        Float32(1.0),
+        Float32(0.0),
+        cute.runtime.make_fake_stream(),
+        options=options,
+    )
