@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ._kernels import resolve_kernel
 from ._registry import OpSpec, register_op
+from ._vmap import batch_first
 
 
 def _check(R: Tensor, Qz: Tensor | None) -> None:
@@ -64,6 +65,14 @@ def _(R, Qz, a, b, c, q=1.0, update_r=True, impl="auto"):
     _check(R, Qz)
     r_shape = R.shape if update_r else (*R.shape[:-2], 0, 0)
     return R.new_empty(R.shape), R.new_empty(r_shape)
+
+
+@gram_ns_step.register_vmap
+def _(info, in_dims, R, Qz, a, b, c, q=1.0, update_r=True, impl="auto"):
+    R = batch_first(R, in_dims[0], info.batch_size)
+    Qz = batch_first(Qz, in_dims[1], info.batch_size)
+    out = torch.ops.dmuon.gram_ns_step(R, Qz, a, b, c, q, update_r=update_r, impl=impl)
+    return out, (0, 0)
 
 
 def _samples():

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ._kernels import resolve_kernel
 from ._registry import OpSpec, register_op
+from ._vmap import batch_first
 
 
 def _check(X: Tensor) -> None:
@@ -42,6 +43,12 @@ def ns_step(X: Tensor, a: float, b: float, c: float, impl: str = "auto") -> Tens
 def _(X, a, b, c, impl="auto"):
     _check(X)
     return torch.empty_like(X)
+
+
+@ns_step.register_vmap
+def _(info, in_dims, X, a, b, c, impl="auto"):
+    X = batch_first(X, in_dims[0], info.batch_size)
+    return torch.ops.dmuon.ns_step(X, a, b, c, impl=impl), 0
 
 
 def _samples():

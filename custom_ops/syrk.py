@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ._kernels import resolve_kernel
 from ._registry import OpSpec, register_op
+from ._vmap import batch_first
 
 
 def _check(A: Tensor, C: Tensor | None) -> None:
@@ -57,6 +58,13 @@ def _backward(ctx, grad):
 
 
 syrk.register_autograd(_backward, setup_context=_setup_context)
+
+
+@syrk.register_vmap
+def _(info, in_dims, A, C=None, alpha=1.0, beta=0.0, impl="auto"):
+    A = batch_first(A, in_dims[0], info.batch_size)
+    C = batch_first(C, in_dims[1], info.batch_size)
+    return torch.ops.dmuon.syrk(A, C, alpha, beta, impl=impl), 0
 
 
 def _samples():
