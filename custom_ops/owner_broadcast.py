@@ -1,13 +1,17 @@
-"""dmuon::owner_broadcast — the owner's full tensor on every rank of a group; its transpose is
-dmuon::two_stage_reduce (sum onto the owner, then onto the global owner).
+"""dmuon::owner_broadcast — each parameter's full tensor, from its owner, on every rank of a group.
 
-local: the full tensor on the source rank, a 0-size placeholder elsewhere. shape: the full shape.
-route = [src, is_src, group_size, rep_src, is_rep_src, rep_size] as ints: the source's rank in
-`group` and whether this rank is it; for the backward's second stage (HSDP), the global owner's
-rank in `rep_group` and whether this rank is it (rep_size 1: no second stage). `scale` multiplies
-the reduced gradient (1/(G·R) for the data-parallel mean).
-Returns the full tensor (shape, local's dtype). Group arguments are process-group names; a group
-of size 1 never touches torch.distributed. World-size dependent values arrive as explicit ints.
+One call carries every parameter of a step, so the collectives run in one fixed order on every
+rank whatever a graph scheduler does with the rank-specific graphs around it (a non-owner's graph
+differs from the owner's).
+
+locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder elsewhere.
+shapes: the full shapes, flattened, with ndims[i] entries for parameter i.
+routes: 6 ints per parameter, (src, is_src, group_size, rep_src, is_rep_src, rep_size): the
+source's rank in `group` and whether this rank is it; the last three are for the transpose,
+dmuon::two_stage_reduce (rep_size 1: no second stage). Group arguments are process-group names;
+a group of size 1 never touches torch.distributed. `after` is read by nobody: it orders this call
+after whatever produced it (the publish after the step's gradient reduce).
+Returns the full tensors, in order.
 """
 
 from __future__ import annotations
@@ -18,44 +22,60 @@ from torch import Tensor
 from ._collectives import broadcast_into
 from ._registry import OpSpec, register_op
 
-# Defined with torch.library.define rather than custom_op (see dmuon::two_stage_reduce): both
-# run under torch.func's grad transform, which rejects custom_op's autograd wrapper.
+# Defined with torch.library.define rather than custom_op: custom_op wraps every call in an
+# autograd.Function without setup_context, which torch.func's transforms reject, and these ops
+# run inside functions that torch.func differentiates.
 torch.library.define(
     "dmuon::owner_broadcast",
-    "(Tensor local, int[] shape, int[] route, str group, str rep_group, float scale) -> Tensor",
+    "(Tensor[] locals, int[] shapes, int[] ndims, int[] routes, str group, "
+    "Tensor[]? after=None) -> Tensor[]",
     # never recomputed by graph partitioners (see the side-effect registration below)
     tags=(torch.Tag.nondeterministic_seeded,),
 )
-# A collective: never dead-code eliminated, even where this rank ignores the result (a
-# non-owner's gradient slot), or the other ranks would wait for it forever.
+# A collective: never dead-code eliminated, even where this rank ignores the result, or the
+# other ranks would wait for it forever.
 torch.fx.node.has_side_effect(torch.ops.dmuon.owner_broadcast.default)
+
+
+def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
+    out, i = [], 0
+    for nd in ndims:
+        out.append(list(shapes[i : i + nd]))
+        i += nd
+    return out
 
 
 @torch.library.impl("dmuon::owner_broadcast", "CompositeExplicitAutograd")
 def owner_broadcast(
-    local: Tensor, shape: list[int], route: list[int], group: str, rep_group: str, scale: float
-) -> Tensor:
-    src, is_src, size = route[0], bool(route[1]), route[2]
-    out = local.clone() if is_src else local.new_empty(shape)
-    return broadcast_into(out, src, group, size)
+    locals: list[Tensor],
+    shapes: list[int],
+    ndims: list[int],
+    routes: list[int],
+    group: str,
+    after: list[Tensor] | None = None,
+) -> list[Tensor]:
+    out = []
+    for i, (local, shape) in enumerate(zip(locals, split_shapes(shapes, ndims), strict=True)):
+        src, is_src, size = routes[6 * i : 6 * i + 3]
+        buf = local.clone() if is_src else local.new_empty(shape)
+        out.append(broadcast_into(buf, src, group, size))
+    return out
 
 
 @torch.library.register_fake("dmuon::owner_broadcast")
-def _(local, shape, route, group, rep_group, scale):
-    return local.new_empty(shape)
+def _(locals, shapes, ndims, routes, group, after=None):
+    return [t.new_empty(s) for t, s in zip(locals, split_shapes(shapes, ndims), strict=True)]
 
 
-# No autograd registration here: its transpose is dmuon::two_stage_reduce, paired with it in
-# dmuon_fn's `_OwnerBroadcast` autograd.Function, because torch.func's grad transform needs an
-# autograd.Function with setup_context, which torch.library's registration does not provide in
-# torch 2.13.
+# No autograd: the step gathers outside the differentiated function and reduces the gradients
+# of the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn._functional).
 
 
 def _samples():
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 4, generator=g)
-    yield (x, [6, 4], [0, 1, 1, 0, 1, 1], "", "", 1.0), {}
-    yield (torch.randn(3, generator=g), [3], [0, 1, 1, 0, 1, 1], "", "", 0.5), {}
+    a, b = torch.randn(6, 4, generator=g), torch.randn(3, generator=g)
+    yield ([a, b], [6, 4, 3], [2, 1], [0, 1, 1, 0, 1, 1] * 2, ""), {}
+    yield ([a], [6, 4], [2], [0, 1, 1, 0, 1, 1], ""), {"after": [b]}
 
 
 register_op(OpSpec("dmuon::owner_broadcast", torch.ops.dmuon.owner_broadcast, _samples, False))

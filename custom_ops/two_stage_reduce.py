@@ -1,12 +1,13 @@
-"""dmuon::two_stage_reduce — sum a full-shape tensor onto its owner, in two stages under HSDP.
+"""dmuon::two_stage_reduce — sum full-shape gradients onto their owners, in two stages under HSDP.
 
-Stage 1 sums over `group` onto rank route[0]; on that rank (the local owner), stage 2 sums over
-`rep_group` onto route[3] (the global owner) when route[5] > 1. The global owner gets
-scale·Σ over all G·R ranks; every other rank gets zeros shaped like its local placeholder
-(`local_shape`: full on local owners, 0-size elsewhere), so the result always has the shape of
-the parameter slot it is a gradient for. route as in dmuon::owner_broadcast.
+For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group` onto rank
+src; on that rank (the local owner), stage 2 sums over `rep_group` onto rep_src (the global owner)
+when rep_size > 1. The global owner gets scale·Σ over all G·R ranks; every other rank gets zeros
+shaped like its local slot (`local_shapes`: full on local owners, 0-size elsewhere), so each
+result has the shape of the parameter slot it is a gradient for. One call carries every
+parameter, in one fixed order on every rank (see dmuon::owner_broadcast).
 
-No autograd: it is owner_broadcast's backward; nothing differentiates through it twice.
+No autograd: it transposes the gather for the step's gradient; nothing differentiates it.
 """
 
 from __future__ import annotations
@@ -16,51 +17,49 @@ from torch import Tensor
 
 from ._collectives import reduce_sum
 from ._registry import OpSpec, register_op
+from .owner_broadcast import split_shapes
 
-# Defined with torch.library.define rather than custom_op: custom_op wraps every call in an
-# autograd.Function without setup_context, which torch.func's grad transform rejects, and this op
-# is called inside the backward of a function that torch.func differentiates.
 torch.library.define(
     "dmuon::two_stage_reduce",
-    "(Tensor full, int[] local_shape, int[] route, str group, str rep_group, float scale) "
-    "-> Tensor",
-    # never recomputed by graph partitioners (see the side-effect registration below)
+    "(Tensor[] fulls, int[] local_shapes, int[] ndims, int[] routes, str group, str rep_group, "
+    "float scale) -> Tensor[]",
     tags=(torch.Tag.nondeterministic_seeded,),
 )
-# A collective: never dead-code eliminated, even where this rank ignores the result (a
-# non-owner's gradient slot), or the other ranks would wait for it forever.
 torch.fx.node.has_side_effect(torch.ops.dmuon.two_stage_reduce.default)
 
 
 @torch.library.impl("dmuon::two_stage_reduce", "CompositeExplicitAutograd")
 def two_stage_reduce(
-    full: Tensor,
-    local_shape: list[int],
-    route: list[int],
+    fulls: list[Tensor],
+    local_shapes: list[int],
+    ndims: list[int],
+    routes: list[int],
     group: str,
     rep_group: str,
     scale: float,
-) -> Tensor:
-    src, is_src, size, rep_src, is_rep_src, rep_size = route
-    buf = reduce_sum(full.contiguous().clone(), src, group, size)
-    if not is_src:
-        return full.new_zeros(local_shape)
-    if rep_size > 1:
-        buf = reduce_sum(buf, rep_src, rep_group, rep_size)
-        if not is_rep_src:
-            return full.new_zeros(local_shape)
-    return buf.mul_(scale)
+) -> list[Tensor]:
+    out = []
+    for i, (full, shape) in enumerate(zip(fulls, split_shapes(local_shapes, ndims), strict=True)):
+        src, is_src, size, rep_src, is_rep_src, rep_size = routes[6 * i : 6 * i + 6]
+        buf = reduce_sum(full.contiguous().clone(), src, group, size)
+        if is_src and rep_size > 1:
+            buf = reduce_sum(buf, rep_src, rep_group, rep_size)
+        if is_src and (rep_size == 1 or is_rep_src):
+            out.append(buf.mul_(scale))
+        else:
+            out.append(full.new_zeros(shape))
+    return out
 
 
 @torch.library.register_fake("dmuon::two_stage_reduce")
-def _(full, local_shape, route, group, rep_group, scale):
-    return full.new_empty(local_shape)
+def _(fulls, local_shapes, ndims, routes, group, rep_group, scale):
+    return [t.new_empty(s) for t, s in zip(fulls, split_shapes(local_shapes, ndims), strict=True)]
 
 
 def _samples():
     g = torch.Generator().manual_seed(4)
-    yield (torch.randn(6, 4, generator=g), [6, 4], [0, 1, 1, 0, 1, 1], "", "", 0.25), {}
-    yield (torch.randn(5, generator=g), [0], [0, 0, 1, 0, 0, 1], "", "", 1.0), {}
+    a, b = torch.randn(6, 4, generator=g), torch.randn(5, generator=g)
+    yield ([a, b], [6, 4, 0], [2, 1], [0, 1, 1, 0, 1, 1, 0, 0, 1, 0, 0, 1], "", "", 0.25), {}
 
 
 register_op(OpSpec("dmuon::two_stage_reduce", torch.ops.dmuon.two_stage_reduce, _samples, False))

@@ -20,7 +20,6 @@ Who holds what (G ranks in the shard group, R replicas under HSDP):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -335,7 +334,3 @@ def dedicate_params(
 
 def dedicated_state(model: nn.Module) -> DedicatedState | None:
     return getattr(model, STATE_ATTR, None)
-
-
-def param_numel(e: Entry) -> int:
-    return math.prod(e.shape)

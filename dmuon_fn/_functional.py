@@ -10,10 +10,10 @@ torch.compile(fullgraph=True).
 
 Every parameter is dedicated (FSDP2's hooks cannot be traced in torch 2.13): matrices matched by
 `predicate` take Muon, the rest AdamW, each on its one global owner. `state.params[name]` is the
-full parameter on its local owners and a 0-size placeholder elsewhere; the forward sees full
-parameters through dmuon::owner_broadcast, whose autograd transpose dmuon::two_stage_reduce
-leaves the data-parallel mean gradient on the global owner (zeros shaped like the slot
-elsewhere). Under HSDP `update` publishes the new values to the other replicas' local owners.
+full parameter on its local owners and a 0-size placeholder elsewhere; dmuon::owner_broadcast
+gathers every parameter before the differentiated loss, and dmuon::two_stage_reduce (its
+transpose) leaves the data-parallel mean gradient on the global owner (zeros shaped like the
+slot elsewhere). Under HSDP `update` publishes the new values to the other replicas' local owners.
 Rank-specific choices (who owns what) are Python constants of the plan, so each rank compiles
 its own graph once; lr, weight decay and step counts are 0-d tensors and never recompile.
 """
@@ -165,45 +165,38 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
     return State(params, opt, fn_plan, config)
 
 
-class _OwnerBroadcast(torch.autograd.Function):
-    """dmuon::owner_broadcast with its transpose, as an autograd.Function so torch.func's
-    grad transform (and dynamo tracing it) can differentiate it."""
-
-    @staticmethod
-    def forward(local, shape, route, group, rep_group, scale):
-        return torch.ops.dmuon.owner_broadcast(local, shape, route, group, rep_group, scale)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        local, _shape, route, group, rep_group, scale = inputs
-        ctx.meta = (list(local.shape), route, group, rep_group, scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        local_shape, route, group, rep_group, scale = ctx.meta
-        g = torch.ops.dmuon.two_stage_reduce(grad, local_shape, route, group, rep_group, scale)
-        return g, None, None, None, None, None
+def _flat(rows) -> list[int]:
+    return [x for row in rows for x in row]
 
 
-@torch.compiler.allow_in_graph
-def _owner_broadcast(local, shape, route, group, rep_group, scale):
-    # Opaque to dynamo, so AOTAutograd differentiates it under torch.func.grad with the custom
-    # backward above; traced inline, torch 2.13's dynamo drops a custom backward under
-    # torch.func transforms (the gradient came out zero).
-    return _OwnerBroadcast.apply(local, shape, route, group, rep_group, scale)
+def gather_all(params: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
+    """Every parameter in full on every rank of its shard group, in one call (name order)."""
+    names = fn_plan.names
+    outs = torch.ops.dmuon.owner_broadcast(
+        [params[n] for n in names],
+        _flat(fn_plan.shapes),
+        [len(s) for s in fn_plan.shapes],
+        _flat(fn_plan.routes),
+        fn_plan.group,
+    )
+    return dict(zip(names, outs, strict=True))
 
 
-def gather(name: str, local: torch.Tensor, fn_plan: FnPlan) -> torch.Tensor:
-    """The full parameter on every rank of the shard group (differentiable)."""
-    scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)
-    return _owner_broadcast(
-        local,
-        list(fn_plan.shape(name)),
-        list(fn_plan.route(name)),
+def reduce_all(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
+    """Full-shape gradients -> the data-parallel mean on each global owner, zeros shaped like
+    the local slot elsewhere, in one call."""
+    names = fn_plan.names
+    local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
+    outs = torch.ops.dmuon.two_stage_reduce(
+        [grads[n] for n in names],
+        _flat(local),
+        [len(s) for s in local],
+        _flat(fn_plan.routes),
         fn_plan.group,
         fn_plan.rep_group,
-        scale,
+        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
     )
+    return dict(zip(names, outs, strict=True))
 
 
 def value_and_grad(
@@ -211,15 +204,16 @@ def value_and_grad(
 ) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """(params, batch) -> (this rank's loss, grads): loss_fn sees full parameters; each grad is
     the data-parallel mean on the parameter's global owner, zeros shaped like the slot elsewhere.
+
+    The gather runs before and the reduce after the differentiated function, each as one op
+    over every parameter: a graph scheduler may reorder independent nodes differently on ranks
+    whose graphs differ (owners and non-owners), which would mismatch per-parameter collectives.
     """
 
-    def full_loss(params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
-        full = {n: gather(n, params[n], fn_plan) for n in fn_plan.names}
-        return loss_fn(full, batch)
-
     def run(params: dict[str, torch.Tensor], batch: Any):
-        grads, loss = torch.func.grad_and_value(full_loss)(params, batch)
-        return loss, grads
+        full = gather_all(params, fn_plan)
+        grads, loss = torch.func.grad_and_value(lambda f: loss_fn(f, batch))(full)
+        return loss, reduce_all(grads, fn_plan)
 
     return run
 
@@ -241,43 +235,48 @@ def update(
     awd = cfg.adamw_weight_decay if adamw_weight_decay is None else adamw_weight_decay
     params, opt = dict(state.params), dict(state.opt)
     for name in p_.names:
-        if p_.is_global_owner(name):
-            if name in p_.muon:
-                params[name], opt[name] = muon_update(
-                    params[name],
-                    grads[name],
-                    opt[name],
-                    lr=lr,
-                    weight_decay=wd,
-                    momentum=cfg.momentum,
-                    nesterov=cfg.nesterov,
-                    adjust_lr=cfg.adjust_lr,
-                    ns=cfg.ns,
-                )
-            else:
-                params[name], opt[name] = adamw_update(
-                    params[name],
-                    grads[name],
-                    opt[name],
-                    lr=adamw_lr,
-                    betas=cfg.adamw_betas,
-                    eps=cfg.adamw_eps,
-                    weight_decay=awd,
-                )
-        if p_.replicate_size > 1 and p_.is_local_owner(name):
-            _src, _, _, rep_src, is_rep_src, R = p_.route(name)
-            params[name] = torch.ops.dmuon.owner_broadcast(
+        if not p_.is_global_owner(name):
+            continue
+        if name in p_.muon:
+            params[name], opt[name] = muon_update(
                 params[name],
-                list(p_.shape(name)),
-                [rep_src, is_rep_src, R, 0, 1, 1],
-                p_.rep_group,
-                "",
-                1.0,
+                grads[name],
+                opt[name],
+                lr=lr,
+                weight_decay=wd,
+                momentum=cfg.momentum,
+                nesterov=cfg.nesterov,
+                adjust_lr=cfg.adjust_lr,
+                ns=cfg.ns,
             )
+        else:
+            params[name], opt[name] = adamw_update(
+                params[name],
+                grads[name],
+                opt[name],
+                lr=adamw_lr,
+                betas=cfg.adamw_betas,
+                eps=cfg.adamw_eps,
+                weight_decay=awd,
+            )
+    mine = [n for n in p_.names if p_.is_local_owner(n)]
+    if p_.replicate_size > 1 and mine:
+        # one publish over the replicate group (whose ranks all hold the same `mine`), ordered
+        # after this step's gradient reduce through `after`
+        routes = [(r[3], r[4], r[5], 0, 1, 1) for r in (p_.route(n) for n in mine)]
+        outs = torch.ops.dmuon.owner_broadcast(
+            [params[n] for n in mine],
+            _flat(p_.shape(n) for n in mine),
+            [len(p_.shape(n)) for n in mine],
+            _flat(routes),
+            p_.rep_group,
+            after=[grads[n] for n in p_.names],
+        )
+        params.update(zip(mine, outs, strict=True))
     return State(params, opt, p_, cfg)
 
 
 def full_params(state: State) -> dict[str, torch.Tensor]:
     """Every parameter's full value on every rank (for checks and export; one broadcast each)."""
     with torch.no_grad():
-        return {n: gather(n, state.params[n], state.plan) for n in state.plan.names}
+        return gather_all(state.params, state.plan)

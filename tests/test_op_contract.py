@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
 
 import custom_ops
 
@@ -46,10 +47,7 @@ def test_fake_matches_real(spec, i):
     args, kwargs = _sample(spec, i)
     real = _flat(spec.op(*args, **kwargs))
     with FakeTensorMode() as mode:
-        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fkw = {
-            k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
-        }
+        fargs, fkw = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
         fake = _flat(spec.op(*fargs, **fkw))
     assert len(fake) == len(real)
     for f, r in zip(fake, real, strict=True):
