@@ -11,6 +11,37 @@ import torch.nn.functional as F
 from dmuon_fn._coefficients import schedule
 
 D, FF = 32, 64
+# hyperparameters shared by the distributed and functional parity tests and their reference
+HP = dict(lr=0.01, momentum=0.95, wd=0.1, adamw_lr=1e-3, adamw_wd=0.01)
+
+
+def muon_fp32(model: nn.Module, **extra):
+    """dmuon_fn.Muon with HP and fp32 standard Newton-Schulz (the reference's arithmetic)."""
+    import dmuon_fn
+
+    return dmuon_fn.Muon(
+        model,
+        lr=HP["lr"],
+        momentum=HP["momentum"],
+        weight_decay=HP["wd"],
+        adamw_lr=HP["adamw_lr"],
+        adamw_weight_decay=HP["adamw_wd"],
+        ns_method="standard",
+        ns_dtype=torch.float32,
+        **extra,
+    )
+
+
+def meshes(world: int, hsdp: bool):
+    """(shard mesh, replicate mesh): None for one rank, 1-D, or a (2, world/2) HSDP mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world == 1:
+        return None, None
+    if not hsdp:
+        return init_device_mesh("cpu", (world,)), None
+    m = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return m["shard"], m["replicate"]
 
 
 class TinyMLP(nn.Module):

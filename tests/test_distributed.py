@@ -15,23 +15,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import batch, is_proj, make, reference
+from tests._models import HP, batch, is_proj, make, meshes, muon_fp32, reference
 
 STEPS = 5
-HP = dict(lr=0.01, momentum=0.95, wd=0.1, adamw_lr=1e-3, adamw_wd=0.01)
 TOL = 1e-4
-
-
-def _meshes(world: int, hsdp: bool):
-    if not hsdp:
-        return init_device_mesh("cpu", (world,)), None
-    m = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return m["shard"], m["replicate"]
 
 
 def _full_params(model, st) -> dict[str, torch.Tensor]:
@@ -50,7 +41,7 @@ def _full_params(model, st) -> dict[str, torch.Tensor]:
 
 
 def _train(rank, world, name, hsdp, z3, async_, pure, fsdp2=True, count=False):
-    mesh, rep = _meshes(world, hsdp)
+    mesh, rep = meshes(world, hsdp)
     model = make(name)
     owners = dmuon.dedicate_params(
         model,
@@ -65,17 +56,7 @@ def _train(rank, world, name, hsdp, z3, async_, pure, fsdp2=True, count=False):
         for layer in getattr(model, "layers", []):
             fully_shard(layer, mesh=full_mesh)
         fully_shard(model, mesh=full_mesh)
-    opt = dmuon.Muon(
-        model,
-        lr=HP["lr"],
-        momentum=HP["momentum"],
-        weight_decay=HP["wd"],
-        adamw_lr=HP["adamw_lr"],
-        adamw_weight_decay=HP["adamw_wd"],
-        replicate_async=async_,
-        ns_dtype=torch.float32,
-        ns_method="standard",
-    )
+    opt = muon_fp32(model, replicate_async=async_)
     comm = dmuon.CommCounter()
     with comm:
         for step in range(STEPS):

@@ -16,10 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import batch, make, reference
+from tests._models import HP, batch, make, meshes, muon_fp32, reference
 
 STEPS = 5
-HP = dict(lr=0.01, momentum=0.95, wd=0.1, adamw_lr=1e-3, adamw_wd=0.01)
 TOL = 1e-4
 CFG = dmuon.Config(
     momentum=HP["momentum"],
@@ -29,17 +28,8 @@ CFG = dmuon.Config(
 )
 
 
-def _meshes(world, hsdp):
-    if world == 1:
-        return None, None
-    if not hsdp:
-        return init_device_mesh("cpu", (world,)), None
-    m = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return m["shard"], m["replicate"]
-
-
 def _functional(rank, world, name, hsdp, compiled):
-    mesh, rep = _meshes(world, hsdp)
+    mesh, rep = meshes(world, hsdp)
     model = make(name)
     fp = dmuon.plan(model, mesh, replicate_mesh=rep)
     state = dmuon.init(model, fp, CFG)
@@ -72,21 +62,12 @@ def _functional(rank, world, name, hsdp, compiled):
 
 
 def _object_api(rank, world, name):
-    mesh, _ = _meshes(world, False)
+    mesh, _ = meshes(world, False)
     if mesh is None:
         mesh = init_device_mesh("cpu", (1,))
     model = make(name)
     dmuon.dedicate_params(model, mesh, pure=True)
-    opt = dmuon.Muon(
-        model,
-        lr=HP["lr"],
-        momentum=HP["momentum"],
-        weight_decay=HP["wd"],
-        adamw_lr=HP["adamw_lr"],
-        adamw_weight_decay=HP["adamw_wd"],
-        ns_method="standard",
-        ns_dtype=torch.float32,
-    )
+    opt = muon_fp32(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     for step in range(STEPS):
         opt.zero_grad()
