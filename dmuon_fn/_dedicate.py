@@ -307,12 +307,13 @@ def dedicate_params(
         owner = plan.owner(names[0])
         shard, rep = owner if isinstance(owner, tuple) else (owner, 0)
         e = Entry(names[0], tuple(names), old.shape, old.dtype, shard, rep, old)
+        device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
-            data = old.detach().to(torch.promote_types(old.dtype, torch.float32), copy=True)
+            data = old.detach().to(device, torch.promote_types(old.dtype, torch.float32), copy=True)
         elif st.is_local_owner(e):
-            data = old.detach().clone()
+            data = old.detach().to(device, copy=True)
         else:
-            data = torch.empty(0, dtype=old.dtype, device=old.device)
+            data = torch.empty(0, dtype=old.dtype, device=device)
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
         new_params[pid] = e.param
@@ -328,8 +329,32 @@ def dedicate_params(
                 slots.setdefault(module, []).append((pname, st.by_param[id(new)]))
     for module, s in slots.items():
         _install_hooks(module, s, st)
+    _sync_replicas(st)
     setattr(model, STATE_ATTR, st)
     return st.owners()
+
+
+def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
+    """Where dedicated parameters live: the mesh's device type (the current CUDA device for a
+    CUDA mesh), so a model built on the CPU still communicates on the mesh's backend."""
+    if mesh.device_type == "cuda" and current.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return current if current.type == mesh.device_type else torch.device(mesh.device_type)
+
+
+def _sync_replicas(st: DedicatedState) -> None:
+    """HSDP: start every replica's local owner from the global owner's value (one broadcast per
+    parameter over the replicate group), so replicas agree even if their initializations did
+    not."""
+    if st.replicate_group is None:
+        return
+    for e in st.entries:
+        if st.is_local_owner(e):
+            buf = e.param.detach().to(e.dtype)
+            src = dist.get_global_rank(st.replicate_group, e.owner_replica)
+            dist.broadcast(buf, src=src, group=st.replicate_group)
+            if not st.is_global_owner(e):
+                e.param.detach().copy_(buf)
 
 
 def dedicated_state(model: nn.Module) -> DedicatedState | None:

@@ -60,6 +60,7 @@ class FnPlan:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     muon: frozenset[str]
+    trainable: frozenset[str]  # requires_grad at plan time; `update` leaves the rest as they are
     routes: tuple[Route, ...]  # per name: (src, is_src, G, rep_src, is_rep_src, R)
     group: str
     rep_group: str
@@ -133,6 +134,7 @@ def plan(
         names=tuple(n for n, _ in named),
         shapes=tuple(shapes[n] for n, _ in named),
         muon=muon,
+        trainable=frozenset(n for n, p in named if p.requires_grad),
         routes=tuple(routes),
         group=group,
         rep_group=rep_group,
@@ -235,7 +237,7 @@ def update(
     awd = cfg.adamw_weight_decay if adamw_weight_decay is None else adamw_weight_decay
     params, opt = dict(state.params), dict(state.opt)
     for name in p_.names:
-        if not p_.is_global_owner(name):
+        if not (p_.is_global_owner(name) and name in p_.trainable):
             continue
         if name in p_.muon:
             params[name], opt[name] = muon_update(

@@ -8,7 +8,8 @@ Param groups (usable with torch.optim.lr_scheduler):
 - "adamw": everything else: FSDP2 shards (DTensor, updated shard-locally), dedicated
   non-matrices (pure routing, updated by their owner), and plain parameters on a world of one.
 Every rank holds a state entry with the same keys for every parameter (0-size placeholders where
-it does not own the parameter), so `state_dict()` has identical key sets on all ranks.
+it does not own the parameter), so `state_dict()` has identical key sets on all ranks. The state
+is per rank: save and load every rank's `state_dict()` (not rank 0's alone).
 """
 
 from __future__ import annotations
@@ -152,8 +153,16 @@ class Muon(torch.optim.Optimizer):
             lr = torch.tensor(group["lr"], dtype=torch.float32)
             wd = torch.tensor(group["weight_decay"], dtype=torch.float32)
             for p in group["params"]:
+                e = self.st.entry(p)
                 if p.grad is None or not self._updates_here(p):
                     continue
+                if e is not None:
+                    if not e.touched:
+                        # no gradient reached it this step (a stale grad kept by
+                        # zero_grad(set_to_none=False)): skip it on every rank alike, as the
+                        # publish does, so replicas never drift apart
+                        continue
+                    self.st.wait_publish(e)  # the last publish may still read this tensor
                 state = self.state[p]
                 if group["kind"] == "muon":
                     new, ms = muon_update(
@@ -188,6 +197,17 @@ class Muon(torch.optim.Optimizer):
                     state["step"].copy_(a.step)
         self.st.publish(self.replicate_async)
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch.optim.Optimizer's, then back to `state_dtype` (the base class casts state
+        to each parameter's dtype, which would silently turn fp32 moments of bf16 params bf16)."""
+        super().load_state_dict(state_dict)
+        if self.state_dtype is None:
+            return
+        for state in self.state.values():
+            for k, v in state.items():
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point():
+                    state[k] = v.to(self.state_dtype)
 
     def wait_publish(self) -> None:
         """Block until every background publish of the last step has landed."""

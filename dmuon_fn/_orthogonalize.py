@@ -168,6 +168,8 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig) -> Tensor:
             f"orthogonalize needs a floating matrix or batch of matrices (..., m, n), "
             f"got {G.dtype} of shape {tuple(G.shape)}; reshape conv weights to 2-D first"
         )
+    if G.numel() == 0:
+        return torch.zeros_like(G)  # an empty batch or a 0-width matrix: nothing to orthogonalize
     impl = custom_ops.resolve_kernel(cfg.kernel, G.device).name
     rows = schedule(cfg.coefficients, cfg.steps)
     tall = G.shape[-2] > G.shape[-1]

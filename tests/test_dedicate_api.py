@@ -134,3 +134,23 @@ def test_frozen_unused_state_dict_scheduler_and_fsdp_patch():
         # fully_shard(ModuleDict) was skipped; its LayerNorm joined the root's FSDP2 group,
         # and the dedicated projections were left to dmuon_fn
         assert x["ln_is_dtensor"] and x["proj_is_plain"]
+
+
+def _bf16_state_dtype(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    model = TinyMLP().bfloat16()
+    dmuon.dedicate_params(model, mesh, is_proj)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.01)
+    model(batch("mlp", 0, rank).bfloat16()).backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    ln = model.layers[0]["ln"].weight
+    return [str(v.dtype) for k, v in opt.state[ln].items() if k != "step"]
+
+
+def test_load_state_dict_keeps_the_configured_state_dtype():
+    """torch.optim.Optimizer.load_state_dict casts state to the parameter's dtype (bf16 here);
+    Muon keeps its fp32 moments."""
+    for dtypes in run_ranks(_bf16_state_dtype, 1):
+        assert dtypes == ["torch.float32", "torch.float32"]

@@ -139,3 +139,20 @@ def test_world_2():
 def test_world_4_and_hsdp_2x2():
     cases = [*CASES, ("mlp", True), ("transformer", True)]
     _check(4, cases, run_ranks(_all, 4, cases))
+
+
+def test_frozen_parameters_are_not_updated():
+    model = make("mlp")
+    model.head.weight.requires_grad_(False)
+    fp = dmuon.plan(model)
+    state = dmuon.init(model, fp, CFG)
+
+    def loss_fn(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    _, grads = dmuon.value_and_grad(loss_fn, fp)(state.params, batch("mlp", 0, 0))
+    new = dmuon.update(grads, state, lr=torch.tensor(0.1))
+    assert torch.equal(new.params["head.weight"], state.params["head.weight"])
+    assert not torch.equal(
+        new.params["layers.0.up_proj.weight"], state.params["layers.0.up_proj.weight"]
+    )

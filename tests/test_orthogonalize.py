@@ -250,3 +250,9 @@ def test_bad_input_raises():
         orthogonalize(torch.randn(5))
     with pytest.raises(ValueError, match="floating matrix"):
         orthogonalize(torch.ones(3, 3, dtype=torch.int64))
+
+
+def test_empty_input_gives_empty_output():
+    for shape in ((0, 4, 8), (5, 0), (0, 3)):
+        out = orthogonalize(torch.randn(shape))
+        assert out.shape == shape
