@@ -250,6 +250,7 @@ def dedicate_params(
         their owners, so the model trains with no FSDP2 at all.
     Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP.
     """
+    fsdp.require_installed()
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already applied to this model")
     if fsdp.is_fully_sharded(model):

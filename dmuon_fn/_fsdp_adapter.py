@@ -27,6 +27,15 @@ DEDICATED_ATTR = "_dmuon_dedicated"
 _STATE_KEY = "__composable_api_state_key"
 _REGISTRY_KEY = "__composable_api_registry_key"
 _noted_containers = False
+_installed = False
+
+
+def require_installed() -> None:
+    if not _installed:
+        raise RuntimeError(
+            "dmuon_fn could not patch this torch's fully_shard, so FSDP2 would also manage "
+            "dedicated parameters; dedicate_params needs torch 2.13's fully_shard"
+        )
 
 
 def is_dedicated(p: torch.Tensor) -> bool:
@@ -65,8 +74,16 @@ def _container_without_forward(module: object) -> bool:
 
 
 def install() -> None:
-    """Patch `fully_shard` once (idempotent)."""
-    cell = _func_cell()
+    """Patch `fully_shard` once (idempotent). If this torch's `fully_shard` has another shape,
+    warn instead of failing the import: orthogonalize and the functional API do not need the
+    patch, and `dedicate_params` refuses to run without it (`require_installed`)."""
+    global _installed
+    try:
+        cell = _func_cell()
+    except RuntimeError as e:
+        warnings.warn(f"{e}; dedicate_params is unavailable", stacklevel=2)
+        return
+    _installed = True
     original = cell.cell_contents
     if getattr(original, "_dmuon_patched", False):
         return
