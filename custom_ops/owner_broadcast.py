@@ -19,22 +19,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._collectives import broadcast_into
+from ._collectives import broadcast_into, define_collective
 from ._registry import OpSpec, register_op
 
-# Defined with torch.library.define rather than custom_op: custom_op wraps every call in an
-# autograd.Function without setup_context, which torch.func's transforms reject, and these ops
-# run inside functions that torch.func differentiates.
-torch.library.define(
+define_collective(
     "dmuon::owner_broadcast",
     "(Tensor[] locals, int[] shapes, int[] ndims, int[] routes, str group, "
     "Tensor[]? after=None) -> Tensor[]",
-    # never recomputed by graph partitioners (see the side-effect registration below)
-    tags=(torch.Tag.nondeterministic_seeded,),
 )
-# A collective: never dead-code eliminated, even where this rank ignores the result, or the
-# other ranks would wait for it forever.
-torch.fx.node.has_side_effect(torch.ops.dmuon.owner_broadcast.default)
 
 
 def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:

@@ -15,17 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._collectives import reduce_sum
+from ._collectives import define_collective, reduce_sum
 from ._registry import OpSpec, register_op
 from .owner_broadcast import split_shapes
 
-torch.library.define(
+define_collective(
     "dmuon::two_stage_reduce",
     "(Tensor[] fulls, int[] local_shapes, int[] ndims, int[] routes, str group, str rep_group, "
     "float scale) -> Tensor[]",
-    tags=(torch.Tag.nondeterministic_seeded,),
 )
-torch.fx.node.has_side_effect(torch.ops.dmuon.two_stage_reduce.default)
 
 
 @torch.library.impl("dmuon::two_stage_reduce", "CompositeExplicitAutograd")

@@ -1,4 +1,4 @@
-"""Collectives for dedicated parameters, and a counter of every collective a rank issues.
+"""A counter of every collective a rank issues.
 
 `CommCounter` is a TorchDispatchMode: it sees the c10d ops behind `torch.distributed` calls
 (ours, FSDP2's, anyone's) and the functional collectives, and books, per phase, how many ran
@@ -124,17 +124,3 @@ class CommCounter(TorchDispatchMode):
             st.calls[name] += 1
             st.op_bytes[name] += factor * (w - 1) / w * payload if w > 1 else 0.0
         return func(*args, **kwargs)
-
-
-def broadcast_(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """In-place broadcast from group rank `src` (a no-op on a group of one)."""
-    if dist.get_world_size(group) > 1:
-        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
-    return t
-
-
-def reduce_sum_(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """In-place sum onto group rank `dst` (gloo has no AVG; callers divide once at the end)."""
-    if dist.get_world_size(group) > 1:
-        dist.reduce(t, dst=dist.get_global_rank(group, dst), op=dist.ReduceOp.SUM, group=group)
-    return t

@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from custom_ops._collectives import broadcast_into, reduce_sum
+
 from . import _fsdp_adapter as fsdp
-from ._comm import broadcast_, reduce_sum_
 from ._partition import Plan, partition
 from ._plan_check import check_plan_consistent
 
@@ -131,9 +132,9 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         e, st = ctx.e, ctx.st
         g = grad.to(e.dtype).contiguous().clone()
-        reduce_sum_(g, e.owner_shard, st.shard_group)
+        reduce_sum(g, e.owner_shard, st.shard_group, st.shard_size)
         if st.replicate_group is not None and st.is_local_owner(e):
-            reduce_sum_(g, e.owner_replica, st.replicate_group)
+            reduce_sum(g, e.owner_replica, st.replicate_group, st.replicate_size)
         e.touched = True
         if not st.is_global_owner(e):
             return None, None, None
@@ -147,7 +148,7 @@ def _broadcast_value(e: Entry, st: DedicatedState, p: torch.Tensor) -> torch.Ten
         buf = p.detach().to(e.dtype, copy=True)
     else:
         buf = torch.empty(e.shape, dtype=e.dtype, device=p.device)
-    return broadcast_(buf, e.owner_shard, st.shard_group)
+    return broadcast_into(buf, e.owner_shard, st.shard_group, st.shard_size)
 
 
 class _Z3Saver:
@@ -352,8 +353,7 @@ def _sync_replicas(st: DedicatedState) -> None:
     for e in st.entries:
         if st.is_local_owner(e):
             buf = e.param.detach().to(e.dtype)
-            src = dist.get_global_rank(st.replicate_group, e.owner_replica)
-            dist.broadcast(buf, src=src, group=st.replicate_group)
+            broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
             if not st.is_global_owner(e):
                 e.param.detach().copy_(buf)
 
