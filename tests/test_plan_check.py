@@ -3,17 +3,11 @@ every rank and names the first differing parameter (proofs/partition.md, "Determ
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dmuon_fn._partition import partition
 from dmuon_fn._plan_check import PlanMismatchError, check_plan_consistent, param_hashes
+from tests._dist import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -26,36 +20,22 @@ def _model(attn_rows: int = 32) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, world: int) -> dict:
     result: dict = {}
+    plan = partition(_model(), 4)
+    result["same"] = check_plan_consistent(plan)
+    # Rank 1 sees a different shape for one parameter, as with a mismatched model config.
+    other = partition(_model(attn_rows=32 if rank == 0 else 48), 4)
     try:
-        plan = partition(_model(), 4)
-        result["same"] = check_plan_consistent(plan)
-        # Rank 1 sees a different shape for one parameter, as with a mismatched model config.
-        other = partition(_model(attn_rows=32 if rank == 0 else 48), 4)
-        try:
-            check_plan_consistent(other)
-            result["mismatch"] = None
-        except PlanMismatchError as e:
-            result["mismatch"] = str(e)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(result, f)
+        check_plan_consistent(other)
+        result["mismatch"] = None
+    except PlanMismatchError as e:
+        result["mismatch"] = str(e)
+    return result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ranks_agree_or_all_raise_naming_the_first_differing_parameter(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+def test_ranks_agree_or_all_raise_naming_the_first_differing_parameter():
+    res = run_ranks(_worker, 2)
     digest = partition(_model(), 4).digest()
     assert res[0]["same"] == res[1]["same"] == digest
     # blocks.0.attn.w comes first in name order and its shape differs, so it is the first
