@@ -13,15 +13,13 @@ import argparse
 import math
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _timing import machine
+from _timing import machine, run_forked
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -32,10 +30,7 @@ from compile_step import tokens
 from model import TinyGPT
 
 
-def _rank(rank, world, port, mode, args, q):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, mode, args):
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
     model = TinyGPT(d=args.d, n_layers=args.layers)
@@ -80,20 +75,7 @@ def _rank(rank, world, port, mode, args, q):
         )
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
-    if rank == 0:
-        q.put(gathered)
-    dist.destroy_process_group()
-
-
-def _run(mode, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = mp.get_context("fork").SimpleQueue()
-    mp.start_processes(
-        _rank, args=(args.world, port, mode, args, q), nprocs=args.world, start_method="fork"
-    )
-    return q.get()
+    return gathered
 
 
 def main() -> None:
@@ -103,7 +85,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
-    res = {m: _run(m, args) for m in ("eager", "compiled", "replica")}
+    res = {m: run_forked(_rank, args.world, m, args) for m in ("eager", "compiled", "replica")}
     n_params = sum(p.numel() for p in TinyGPT(d=args.d, n_layers=args.layers).parameters())
     print(
         f"# compiled functional step, W={args.world} CPU ranks (gloo, 1 thread each), TinyGPT "

@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _timing import machine
+from _timing import machine, run_forked
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -74,10 +72,7 @@ class NaiveMuon:
         self.adamw.zero_grad()
 
 
-def _rank(rank, world, port, args, q):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for kind in ("a2", "a3", "b", "c2", "c3"):
@@ -125,9 +120,7 @@ def _rank(rank, world, port, args, q):
             p_m=p_m,
             p_all=p_all,
         )
-    if rank == 0:
-        q.put(out)
-    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -137,14 +130,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = mp.get_context("fork").SimpleQueue()
-    mp.start_processes(
-        _rank, args=(args.world, port, args, q), nprocs=args.world, start_method="fork"
-    )
-    r = q.get()
+    r = run_forked(_rank, args.world, args)
     W = args.world
     print(
         f"# distributed step, W={W} CPU ranks (gloo, 1 thread each), TinyMLP d={args.d} "
