@@ -108,10 +108,9 @@ class DedicatedState:
             e.touched = False
             self.wait_publish(e)
             p = e.param
-            if self.is_global_owner(e):
-                buf = p.detach() if p.dtype == e.dtype else p.detach().to(e.dtype)
-            else:
-                buf = p.detach()
+            # the parameter itself, except the global owner's fp32 master, sent as a cast copy
+            # (receivers hold the model dtype, so `to` is a no-op for them)
+            buf = p.detach().to(e.dtype)
             src = dist.get_global_rank(self.replicate_group, e.owner_replica)
             work = dist.broadcast(buf, src=src, group=self.replicate_group, async_op=True)
             if asynchronous:
