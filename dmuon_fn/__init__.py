@@ -2,6 +2,7 @@
 
 from . import _fsdp_adapter
 from ._backend import get_ns_backend
+from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
 from ._coefficients import PRESETS
 from ._comm import CommCounter
 from ._dedicate import dedicate_params
@@ -40,11 +41,15 @@ __all__ = [
     "full_params",
     "get_ns_backend",
     "init",
+    "load_checkpoint",
+    "load_state",
     "muon_init",
     "muon_update",
     "orthogonalize",
     "partition",
     "plan",
+    "save_checkpoint",
+    "save_state",
     "update",
     "value_and_grad",
 ]

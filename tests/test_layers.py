@@ -57,6 +57,10 @@ def test_public_api_is_pinned():
             "muon_update",
             "orthogonalize",
             "partition",
+            "save_checkpoint",
+            "load_checkpoint",
+            "save_state",
+            "load_state",
         ]
     )
     for name in dmuon_fn.__all__:

@@ -1,0 +1,367 @@
+"""Sharded DCP checkpoints (object and functional API) on forked gloo ranks.
+
+Loading moves values (and casts where the target dtype says so); it does no arithmetic, so every
+comparison here is exact (torch.equal with equal dtypes): the loaded full state against the saved
+one, on the same world, on 4 → 2, 2 → 4 and 1-D (4) → HSDP 2×2, and a resumed run against an
+uninterrupted one on the same mesh (same gloo reductions, same kernels: the same bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # before the forks: fully_shard imports it, ~3 s in each rank
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import dmuon_fn as dmuon
+from tests._dist import run_ranks
+from tests._models import HP, TinyMLP, batch, is_proj, make, meshes, muon_fp32
+
+N, M = 2, 2  # steps before the checkpoint, steps after it
+STATE_KEYS = ("momentum_buffer", "step", "exp_avg", "exp_avg_sq")
+BF16, FP32 = torch.bfloat16, torch.float32
+# object API: (model, model dtype, Muon state_dtype, pure)
+OBJ = {
+    "mlp": ("mlp", FP32, FP32, False),
+    "tied_pure": ("transformer", FP32, FP32, True),
+    "bf16_model": ("mlp", BF16, FP32, False),
+    "bf16_state": ("mlp", FP32, BF16, False),
+}
+# functional API: (model, Config.state_dtype)
+FN = {"fn_mlp": ("mlp", FP32), "fn_tied_bf16_state": ("transformer", BF16)}
+CFG = dmuon.Config(
+    momentum=HP["momentum"],
+    weight_decay=HP["wd"],
+    adamw_weight_decay=HP["adamw_wd"],
+    ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
+)
+
+
+def _obj_build(world, hsdp, name, dtype, state_dtype, pure):
+    mesh, rep = meshes(world, hsdp)
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (1,))
+    model = make(name).to(dtype)
+    dmuon.dedicate_params(model, mesh, is_proj, replicate_mesh=rep, pure=pure)
+    if not pure:
+        fully_shard(model, mesh=mesh if rep is None else mesh._get_root_mesh())
+    return model, muon_fp32(model, state_dtype=state_dtype)
+
+
+def _obj_train(model, opt, rank, name, start, stop, wait=True):
+    x_dtype = model._dmuon_state.entries[0].dtype  # the model's (masters may be fp32)
+    for s in range(start, stop):
+        opt.zero_grad()
+        x = batch(name, s, rank)
+        model(x.to(x_dtype) if x.is_floating_point() else x).backward()
+        opt.step()
+        if s + 1 == N:  # a schedule: the checkpoint must carry the new lr
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
+    if wait:  # HSDP: the last step's publishes run in the background
+        opt.wait_publish()
+
+
+def _from_owner(v, e, st, dtype):
+    """The global owner's tensor `v` (full) on every rank."""
+    shape = () if v.ndim == 0 else e.shape
+    buf = v.detach().clone() if st.is_global_owner(e) else torch.empty(shape, dtype=dtype)
+    dist.broadcast(buf, src=e.owner_replica * st.shard_size + e.owner_shard)
+    return buf
+
+
+def _obj_full(model, opt):
+    """Every saved value in full on every rank: parameters (fp32 masters for dedicated ones),
+    optimizer state, hyperparameters; and whether every replica's copy equals the master."""
+    st, out, consistent = model._dmuon_state, {}, True
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        out.update({f"{group['kind']}.{k}": v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            e = st.entry(p)
+            for k, v in {"param": p, **opt.state[p]}.items():
+                if e is None:
+                    full = v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+                else:
+                    master = torch.promote_types(e.dtype, FP32) if k == "param" else v.dtype
+                    full = _from_owner(v, e, st, master)
+                    if k == "param" and st.is_local_owner(e):
+                        consistent &= torch.equal(v.detach(), full.to(v.dtype))
+                out[f"{names[id(p)]}.{k}"] = full
+    assert all(e.publish is None for e in st.entries), "a publish is still pending"
+    return out, consistent
+
+
+def _fn_build(world, hsdp, name, state_dtype):
+    mesh, rep = meshes(world, hsdp)
+    model = make(name)
+    cfg = dataclasses.replace(CFG, state_dtype=state_dtype)
+    return model, dmuon.init(model, dmuon.plan(model, mesh, replicate_mesh=rep), cfg)
+
+
+def _fn_train(model, state, rank, name, start, stop):
+    def loss_fn(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    for s in range(start, stop):
+        lr = 0.5 ** (s >= N)
+        _, grads = dmuon.value_and_grad(loss_fn, state.plan)(state.params, batch(name, s, rank))
+        state = dmuon.update(grads, state, lr=HP["lr"] * lr, adamw_lr=HP["adamw_lr"] * lr)
+    return state
+
+
+def _fn_full(state):
+    out = {f"{n}.param": v for n, v in dmuon.full_params(state).items()}
+    fp = state.plan
+    for n in fp.names:
+        s, r = o if isinstance(o := fp.partition.owner(n), tuple) else (o, 0)
+        src = r * fp.shard_size + s
+        for k, v in zip(state.opt[n]._fields, state.opt[n], strict=True):
+            shape = () if k == "step" else fp.shape(n)
+            buf = v.clone() if fp.is_global_owner(n) else torch.empty(shape, dtype=v.dtype)
+            if dist.is_initialized():
+                dist.broadcast(buf, src=src)
+            out[f"{n}.{k}"] = buf
+    return out, True
+
+
+def _saved_and_loaded(rank, world, hsdp, root, name, spec):
+    """Train N steps, save, load into a fresh model in these processes, train M more on both:
+    (full state saved, full state loaded, after M continuing, after M resumed)."""
+    path = str(Path(root, name))
+    if name in OBJ:
+        model, opt = _obj_build(world, hsdp, *OBJ[name])
+        _obj_train(model, opt, rank, spec, 0, N)
+        dmuon.save_checkpoint(path, model, opt)
+        saved = _obj_full(model, opt)
+        model2, opt2 = _obj_build(world, hsdp, *OBJ[name])
+        dmuon.load_checkpoint(path, model2, opt2)
+        loaded = _obj_full(model2, opt2)
+        _obj_train(model, opt, rank, spec, N, N + M)
+        _obj_train(model2, opt2, rank, spec, N, N + M)
+        after, resumed = _obj_full(model, opt), _obj_full(model2, opt2)
+        # HSDP: this step leaves publishes in flight; load must wait for them, not race them
+        _obj_train(model2, opt2, rank, spec, N + M, N + M + 1, wait=False)
+        dmuon.load_checkpoint(path, model2, opt2)
+        _equal(_obj_full(model2, opt2), saved, f"{name}: loaded over a trained model")
+        return saved, loaded, after, resumed
+    model, state = _fn_build(world, hsdp, *FN[name])
+    state = _fn_train(model, state, rank, spec, 0, N)
+    dmuon.save_state(path, state)
+    fresh = _fn_build(world, hsdp, *FN[name])[1]
+    before = _fn_full(fresh)
+    loaded = dmuon.load_state(path, fresh)
+    _equal(_fn_full(fresh), before, f"{name}: load_state left its input alone")
+    after = _fn_train(model, state, rank, spec, N, N + M)
+    resumed = _fn_train(model, loaded, rank, spec, N, N + M)
+    return _fn_full(state), _fn_full(loaded), _fn_full(after), _fn_full(resumed)
+
+
+def _load_only(rank, world, hsdp, root, name):
+    """A fresh model on this mesh loads `root/name`: (full state, full state after M steps)."""
+    path = str(Path(root, name))
+    spec = OBJ[name][0] if name in OBJ else FN[name][0]
+    if name in OBJ:
+        model, opt = _obj_build(world, hsdp, *OBJ[name])
+        dmuon.load_checkpoint(path, model, opt)
+        loaded = _obj_full(model, opt)
+        _obj_train(model, opt, rank, spec, N, N + M)
+        return loaded, _obj_full(model, opt)
+    model, state = _fn_build(world, hsdp, *FN[name])
+    state = dmuon.load_state(path, state)
+    return _fn_full(state), _fn_full(_fn_train(model, state, rank, spec, N, N + M))
+
+
+def _save_all(rank, world, hsdp, root):
+    out = {}
+    for name, spec in OBJ.items():
+        out[name] = _saved_and_loaded(rank, world, hsdp, root, name, spec[0])
+    for name, spec in FN.items():
+        out[name] = _saved_and_loaded(rank, world, hsdp, root, name, spec[0])
+    return out
+
+
+def _load_all(rank, world, hsdp, root):
+    return {name: _load_only(rank, world, hsdp, root, name) for name in (*OBJ, *FN)}
+
+
+def _equal(got, want, what):
+    (g, g_ok), (w, _) = got, want
+    assert g_ok, f"{what}: a replica's copy differs from its master"
+    assert g.keys() == w.keys(), what
+    for k, v in w.items():
+        if torch.is_tensor(v):
+            assert g[k].dtype == v.dtype and torch.equal(g[k], v), (what, k)
+        else:
+            assert g[k] == v, (what, k, g[k], v)
+
+
+def _state_dtypes(full, name):
+    """Optimizer state other than step counts is in the configured state dtype."""
+    want = OBJ[name][2] if name in OBJ else FN[name][1]
+    state = [v for k, v in full[0].items() if not k.endswith((".param", ".step"))]
+    return all(v.dtype == want for v in state if torch.is_tensor(v))
+
+
+@pytest.fixture(scope="module")
+def ckpt4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w4")
+    return root, run_ranks(_save_all, 4, False, str(root))
+
+
+@pytest.fixture(scope="module")
+def ckpt2(tmp_path_factory, ckpt4):
+    """World 2: load the world-4 checkpoints (4 → 2), then save its own."""
+    root = tmp_path_factory.mktemp("w2")
+
+    def both(rank, world, root4, root2):
+        return _load_all(rank, world, False, root4), _save_all(rank, world, False, root2)
+
+    return root, run_ranks(both, 2, str(ckpt4[0]), str(root))
+
+
+@pytest.mark.slow
+def test_round_trip_and_resume_in_the_same_processes(ckpt4):
+    for per_rank in ckpt4[1]:
+        for name, (saved, loaded, after, resumed) in per_rank.items():
+            _equal(loaded, saved, f"{name}: loaded")
+            _equal(resumed, after, f"{name}: resumed")
+            assert _state_dtypes(saved, name) and _state_dtypes(resumed, name), name
+
+
+@pytest.mark.slow
+def test_reshard_4_to_2(ckpt4, ckpt2):
+    for per_rank in ckpt2[1]:
+        for name, (loaded, _) in per_rank[0].items():
+            _equal(loaded, ckpt4[1][0][name][0], f"{name}: 4 -> 2")
+
+
+def _new_processes(rank, world, root4, root2):
+    """World 4: resume from the world-4 checkpoints, and load the world-2 ones (2 → 4)."""
+    return _load_all(rank, world, False, root4), _load_all(rank, world, False, root2)
+
+
+@pytest.mark.slow
+def test_resume_in_new_processes_and_reshard_2_to_4(ckpt4, ckpt2):
+    for same, from2 in run_ranks(_new_processes, 4, str(ckpt4[0]), str(ckpt2[0])):
+        for name, (loaded, resumed) in same.items():
+            saved, _, after, _ = ckpt4[1][0][name]
+            _equal(loaded, saved, f"{name}: reload")
+            _equal(resumed, after, f"{name}: resumed in new processes")
+        for name, (loaded, _) in from2.items():
+            _equal(loaded, ckpt2[1][0][1][name][0], f"{name}: 2 -> 4")
+
+
+def _hsdp(rank, world, root4, root_h):
+    return _load_all(rank, world, True, root4), _save_all(rank, world, True, root_h)
+
+
+@pytest.mark.slow
+def test_reshard_1d_to_hsdp_and_hsdp_resume(ckpt4, tmp_path):
+    """1-D (4) → HSDP 2×2 (new owners; replicas' local owners get the value in the model dtype,
+    nothing pending after load); then an HSDP round trip and resume with async publish."""
+    for from1d, own in run_ranks(_hsdp, 4, str(ckpt4[0]), str(tmp_path)):
+        for name, (loaded, _) in from1d.items():
+            _equal(loaded, ckpt4[1][0][name][0], f"{name}: 1-D -> HSDP")
+        for name, (saved, loaded, after, resumed) in own.items():
+            _equal(loaded, saved, f"{name}: HSDP loaded")
+            _equal(resumed, after, f"{name}: HSDP resumed")
+
+
+def _global_owners(name, pure, world):
+    """{name: global rank} of the dedicated parameters: the plan is a pure function of shapes."""
+    named = dict(make(name).named_parameters())
+    mine = {n: tuple(p.shape) for n, p in named.items() if pure or is_proj(n, p)}
+    plan = dmuon.partition(mine, world, elementwise=[n for n, s in mine.items() if len(s) < 2])
+    return {n: plan.owner(n) for n in mine}
+
+
+@pytest.mark.slow
+def test_every_value_is_written_once_by_its_holder(ckpt4):
+    """A dedicated value and its state sit in their global owner's file only; every saved
+    tensor's chunks tile it exactly once (FSDP2 replicas and replicated step counts deduplicated
+    by DCP); nothing else went to rank 0."""
+    for name, (spec, _, _, pure) in OBJ.items():
+        owners = _global_owners(spec, pure, 4)
+        md = dcp.FileSystemReader(str(Path(ckpt4[0], name))).read_metadata()
+        files = {}
+        for idx, item in md.storage_data.items():
+            files.setdefault(idx.fqn, []).append(item.relative_path)
+        for key, meta in md.state_dict_metadata.items():
+            if not hasattr(meta, "chunks"):
+                assert len(files[key]) == 1, key  # hyperparameters: one copy
+                continue
+            chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks}
+            assert len(chunks) == len(meta.chunks) == len(files[key]), key
+            assert sum(math.prod(c.sizes) for c in meta.chunks) == math.prod(meta.size), key
+            n = key.split(".", 1)[1]
+            n = next((o for o in owners if n in (o, *(f"{o}.{k}" for k in STATE_KEYS))), None)
+            if n is not None:
+                assert files[key] == [f"__{owners[n]}_0.distcp"], key
+        assert {f"model.{n}" for n in owners} <= files.keys()
+
+
+def _errors(rank, world, root):
+    path = str(Path(root, "ckpt"))
+    model, opt = _obj_build(world, False, "mlp", FP32, FP32, False)
+    dmuon.save_checkpoint(path, model, opt)
+
+    def load_into(m):
+        mesh = init_device_mesh("cpu", (1,))
+        dmuon.dedicate_params(m, mesh, is_proj)
+        fully_shard(m, mesh=mesh)
+        dmuon.load_checkpoint(path, m, dmuon.Muon(m))
+
+    with pytest.raises(ValueError, match=r"has no 'model\.layers\.2\.gate_proj\.weight'"):
+        load_into(TinyMLP(n_layers=3))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.gate_proj\.weight' has shape"):
+        load_into(TinyMLP(ff=48))
+    with pytest.raises(ValueError, match=r"has 'model\.layers\.1\.down_proj\.weight', which"):
+        load_into(TinyMLP(n_layers=1))
+    plain = TinyMLP()
+    with pytest.raises(ValueError, match="dedicate_params"):
+        dmuon.save_checkpoint(path, plain, torch.optim.SGD(plain.parameters()))
+    other = _obj_build(world, False, "mlp", FP32, FP32, False)[1]
+    with pytest.raises(ValueError, match=r"the dmuon_fn\.Muon built on this model"):
+        dmuon.load_checkpoint(path, model, other)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        dmuon.load_checkpoint(str(Path(root, "missing")), model, opt)
+
+
+def test_errors_name_the_mismatch(tmp_path):
+    run_ranks(_errors, 1, str(tmp_path))
+    # functional, one process without a process group
+    model = TinyMLP()
+    dmuon.save_state(tmp_path / "fn", dmuon.init(model, dmuon.plan(model), CFG))
+    other = TinyMLP(ff=48)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.gate_proj\.weight' has shape"):
+        dmuon.load_state(tmp_path / "fn", dmuon.init(other, dmuon.plan(other), CFG))
+
+
+def _to_world_1(rank, world, root4):
+    """4 → 1 into an optimizer configured with bf16 state: the state follows the config."""
+    model, opt = _obj_build(1, False, "mlp", FP32, BF16, False)
+    dmuon.load_checkpoint(str(Path(root4, "mlp")), model, opt)
+    full, _ = _obj_full(model, opt)
+    s2 = _fn_build(1, False, "mlp", BF16)[1]
+    fn, _ = _fn_full(dmuon.load_state(str(Path(root4, "fn_mlp")), s2))
+    return full, fn
+
+
+def test_state_dtype_follows_the_config(ckpt4):
+    full, fn = run_ranks(_to_world_1, 1, str(ckpt4[0]))[0]
+    for got, want in ((full, ckpt4[1][0]["mlp"][0][0]), (fn, ckpt4[1][0]["fn_mlp"][0][0])):
+        for k, v in want.items():
+            if not torch.is_tensor(v):
+                continue
+            cast = v.dtype == FP32 and v.ndim > 0 and not k.endswith((".param", ".step"))
+            assert torch.equal(got[k], v.to(BF16) if cast else v), k
+            assert got[k].dtype == (BF16 if cast else v.dtype), k
