@@ -26,7 +26,7 @@ from tests._dist import run_ranks
 from tests._models import HP, TinyMLP, batch, is_proj, make, meshes, muon_fp32
 
 N, M = 2, 2  # steps before the checkpoint, steps after it
-STATE_KEYS = ("momentum_buffer", "step", "exp_avg", "exp_avg_sq")
+STATE_KEYS = ("momentum_buffer", "momentum", "step", "exp_avg", "exp_avg_sq")
 BF16, FP32 = torch.bfloat16, torch.float32
 # object API: (model, model dtype, Muon state_dtype, pure)
 OBJ = {
@@ -112,7 +112,7 @@ def _fn_train(model, state, rank, name, start, stop):
         return torch.func.functional_call(model, params, (x,))
 
     for s in range(start, stop):
-        lr = 0.5 ** (s >= N)
+        lr = 0.5 ** (s >= N)  # the schedule of _obj_train
         _, grads = dmuon.value_and_grad(loss_fn, state.plan)(state.params, batch(name, s, rank))
         state = dmuon.update(grads, state, lr=HP["lr"] * lr, adamw_lr=HP["adamw_lr"] * lr)
     return state
@@ -133,10 +133,14 @@ def _fn_full(state):
     return out, True
 
 
-def _saved_and_loaded(rank, world, hsdp, root, name, spec):
+def _model_name(name):
+    return OBJ[name][0] if name in OBJ else FN[name][0]
+
+
+def _saved_and_loaded(rank, world, hsdp, root, name):
     """Train N steps, save, load into a fresh model in these processes, train M more on both:
     (full state saved, full state loaded, after M continuing, after M resumed)."""
-    path = str(Path(root, name))
+    path, spec = str(Path(root, name)), _model_name(name)
     if name in OBJ:
         model, opt = _obj_build(world, hsdp, *OBJ[name])
         _obj_train(model, opt, rank, spec, 0, N)
@@ -167,8 +171,7 @@ def _saved_and_loaded(rank, world, hsdp, root, name, spec):
 
 def _load_only(rank, world, hsdp, root, name):
     """A fresh model on this mesh loads `root/name`: (full state, full state after M steps)."""
-    path = str(Path(root, name))
-    spec = OBJ[name][0] if name in OBJ else FN[name][0]
+    path, spec = str(Path(root, name)), _model_name(name)
     if name in OBJ:
         model, opt = _obj_build(world, hsdp, *OBJ[name])
         dmuon.load_checkpoint(path, model, opt)
@@ -180,13 +183,8 @@ def _load_only(rank, world, hsdp, root, name):
     return _fn_full(state), _fn_full(_fn_train(model, state, rank, spec, N, N + M))
 
 
-def _save_all(rank, world, hsdp, root):
-    out = {}
-    for name, spec in OBJ.items():
-        out[name] = _saved_and_loaded(rank, world, hsdp, root, name, spec[0])
-    for name, spec in FN.items():
-        out[name] = _saved_and_loaded(rank, world, hsdp, root, name, spec[0])
-    return out
+def _save_all(rank, world, hsdp, root, names=(*OBJ, *FN)):
+    return {n: _saved_and_loaded(rank, world, hsdp, root, n) for n in names}
 
 
 def _load_all(rank, world, hsdp, root):
@@ -261,7 +259,9 @@ def test_resume_in_new_processes_and_reshard_2_to_4(ckpt4, ckpt2):
 
 
 def _hsdp(rank, world, root4, root_h):
-    return _load_all(rank, world, True, root4), _save_all(rank, world, True, root_h)
+    # HSDP's own cases: replicas of masters (fp32 and bf16 models), pure routing, functional
+    own = ("mlp", "tied_pure", "bf16_model", "fn_mlp")
+    return _load_all(rank, world, True, root4), _save_all(rank, world, True, root_h, own)
 
 
 @pytest.mark.slow
@@ -288,8 +288,9 @@ def _global_owners(name, pure, world):
 def test_every_value_is_written_once_by_its_holder(ckpt4):
     """A dedicated value and its state sit in their global owner's file only; every saved
     tensor's chunks tile it exactly once (FSDP2 replicas and replicated step counts deduplicated
-    by DCP); nothing else went to rank 0."""
-    for name, (spec, _, _, pure) in OBJ.items():
+    by DCP), so no rank wrote a value it does not own."""
+    cases = {n: (s[0], s[3]) for n, s in OBJ.items()} | {n: (s[0], True) for n, s in FN.items()}
+    for name, (spec, pure) in cases.items():
         owners = _global_owners(spec, pure, 4)
         md = dcp.FileSystemReader(str(Path(ckpt4[0], name))).read_metadata()
         files = {}
