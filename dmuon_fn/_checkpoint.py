@@ -35,10 +35,10 @@ from ._dedicate import DedicatedState, dedicated_state
 from ._functional import State
 from ._optim import Muon
 
-Path = str | os.PathLike
+PathLike = str | os.PathLike
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizer: Muon) -> None:
+def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     """Save `model` (prepared by `dedicate_params`, then `fully_shard`) and its `Muon` optimizer
     to the directory `path`. Collective: every rank calls it with the same path and writes its
     own file; pending HSDP publishes are waited on first."""
@@ -47,7 +47,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: Muon) -> None:
     _save(path, _object_dict(model, optimizer, st, load=False))
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: Muon) -> None:
+def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     """Load a checkpoint saved by `save_checkpoint` into `model` and `optimizer` in place, on any
     world size or mesh shape (owners follow the current plan). Param-group hyperparameters (lr,
     momentum, ...) come from the checkpoint, as with `Optimizer.load_state_dict`; state tensors
@@ -69,13 +69,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Muon) -> None:
             group[k[len(prefix) :]] = sd[k]
 
 
-def save_state(path: Path, state: State) -> None:
+def save_state(path: PathLike, state: State) -> None:
     """Save a functional `State` (params and optimizer state; the plan and Config are the
     caller's) to the directory `path`. Collective over the default group when initialized."""
     _save(path, _state_dict(state, load=False))
 
 
-def load_state(path: Path, state: State) -> State:
+def load_state(path: PathLike, state: State) -> State:
     """A copy of `state` (freshly `init`-ed for the current plan and mesh) with the values saved
     by `save_state`, on any world size or mesh shape. Optimizer state keeps the dtype of
     `state` (its `Config.state_dtype`); the input is not modified. Collective."""
@@ -179,14 +179,14 @@ def _state_shapes(state: State) -> dict[str, tuple]:
     return shapes
 
 
-def _metadata(path: Path) -> Metadata:
+def _metadata(path: PathLike) -> Metadata:
     try:
         return dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError as err:
         raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r} (no .metadata)") from err
 
 
-def _check(path: Path, md: Metadata, want: dict[str, tuple]) -> None:
+def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:
     """Same names and full shapes as the model (every rank checks everything, so all raise)."""
     saved = {
         k: tuple(m.size)
@@ -216,13 +216,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _save(path: Path, sd: dict[str, Any]) -> None:
+def _save(path: PathLike, sd: dict[str, Any]) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save(sd, checkpoint_id=path, no_dist=not _distributed())
 
 
-def _load(path: Path, sd: dict[str, Any]) -> None:
+def _load(path: PathLike, sd: dict[str, Any]) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(sd, checkpoint_id=path, no_dist=not _distributed())
