@@ -7,6 +7,7 @@ from ._coefficients import PRESETS
 from ._comm import CommCounter
 from ._dedicate import dedicate_params
 from ._functional import Config, FnPlan, State, full_params, init, plan, update, value_and_grad
+from ._guard import CollectiveError
 from ._optim import Muon
 from ._orthogonalize import NSConfig, orthogonalize
 from ._partition import Plan, partition
@@ -25,6 +26,7 @@ _fsdp_adapter.install()  # fully_shard skips dedicated params (see _fsdp_adapter
 __all__ = [
     "PRESETS",
     "AdamWState",
+    "CollectiveError",
     "CommCounter",
     "Config",
     "FnPlan",

@@ -6,7 +6,8 @@ Who holds what (G ranks in the shard group, R replicas under HSDP):
   fp32 (the master, when the model is lower precision), its optimizer state, and is the only
   rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
 - forward: right before a module that uses the parameter runs, the local owner broadcasts it
-  (in the model dtype) to its shard group; the module computes with that gathered copy.
+  (in the model dtype, or `param_dtype`) to its shard group; the module computes with that
+  gathered copy. Every collective failure names its phase (`_guard.CollectiveError`).
 - backward: the autograd transpose of that broadcast, a sum onto the local owner (stage 1); under
   HSDP a second sum across the replicate group onto the global owner (stage 2); the global owner
   divides by G·R (the data-parallel average) into `param.grad`.
@@ -31,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from custom_ops._collectives import broadcast_into, reduce_sum
 
 from . import _fsdp_adapter as fsdp
+from ._guard import phase
 from ._partition import Plan, partition
 from ._plan_check import check_plan_consistent
 
@@ -45,7 +47,8 @@ class Entry:
     name: str
     names: tuple[str, ...]
     shape: torch.Size
-    dtype: torch.dtype  # the model's (compute / communication) dtype
+    dtype: torch.dtype  # compute and gather dtype (the model's, or param_dtype)
+    reduce_dtype: torch.dtype  # gradient reduction dtype
     owner_shard: int
     owner_replica: int
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
@@ -92,7 +95,8 @@ class DedicatedState:
 
     def wait_publish(self, e: Entry) -> None:
         if e.publish is not None:
-            e.publish.wait()
+            with phase(f"the HSDP publish of {e.name}"):
+                e.publish.wait()
             e.publish = None
 
     def publish(self, asynchronous: bool) -> None:
@@ -112,11 +116,11 @@ class DedicatedState:
             # (receivers hold the model dtype, so `to` is a no-op for them)
             buf = p.detach().to(e.dtype)
             src = dist.get_global_rank(self.replicate_group, e.owner_replica)
-            work = dist.broadcast(buf, src=src, group=self.replicate_group, async_op=True)
-            if asynchronous:
-                e.publish = work
-            else:
-                work.wait()
+            with phase(f"step (HSDP publish of {e.name})"):
+                work = dist.broadcast(buf, src=src, group=self.replicate_group, async_op=True)
+            e.publish = work
+            if not asynchronous:
+                self.wait_publish(e)
 
 
 class _Gather(torch.autograd.Function):
@@ -125,15 +129,16 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: torch.Tensor, e: Entry, st: DedicatedState) -> torch.Tensor:
         ctx.e, ctx.st = e, st
-        return _broadcast_value(e, st, p)
+        return _broadcast_value(e, st, p, "forward (parameter gather)")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         e, st = ctx.e, ctx.st
-        g = grad.to(e.dtype).contiguous().clone()
-        reduce_sum(g, e.owner_shard, st.shard_group, st.shard_size)
-        if st.replicate_group is not None and st.is_local_owner(e):
-            reduce_sum(g, e.owner_replica, st.replicate_group, st.replicate_size)
+        g = grad.to(e.reduce_dtype).contiguous().clone()
+        with phase(f"backward (gradient reduce of {e.name})"):
+            reduce_sum(g, e.owner_shard, st.shard_group, st.shard_size)
+            if st.replicate_group is not None and st.is_local_owner(e):
+                reduce_sum(g, e.owner_replica, st.replicate_group, st.replicate_size)
         e.touched = True
         if not st.is_global_owner(e):
             return None, None, None
@@ -141,13 +146,14 @@ class _Gather(torch.autograd.Function):
         return g, None, None
 
 
-def _broadcast_value(e: Entry, st: DedicatedState, p: torch.Tensor) -> torch.Tensor:
-    st.wait_publish(e)
-    if st.is_local_owner(e):
-        buf = p.detach().to(e.dtype, copy=True)
-    else:
-        buf = torch.empty(e.shape, dtype=e.dtype, device=p.device)
-    return broadcast_into(buf, e.owner_shard, st.shard_group, st.shard_size)
+def _broadcast_value(e: Entry, st: DedicatedState, p: torch.Tensor, what: str) -> torch.Tensor:
+    with phase(f"{what} of {e.name}"):
+        st.wait_publish(e)
+        if st.is_local_owner(e):
+            buf = p.detach().to(e.dtype, copy=True)
+        else:
+            buf = torch.empty(e.shape, dtype=e.dtype, device=p.device)
+        return broadcast_into(buf, e.owner_shard, st.shard_group, st.shard_size)
 
 
 class _Z3Saver:
@@ -169,7 +175,7 @@ class _Z3Saver:
             return x
         _, e, size, stride, offset = x
         with torch.no_grad():
-            full = _broadcast_value(e, self.st, e.param)
+            full = _broadcast_value(e, self.st, e.param, "backward (Z3 parameter re-gather)")
         return full.as_strided(size, stride, offset)
 
 
@@ -242,12 +248,18 @@ def dedicate_params(
     replicate_mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
     pure: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
     mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`).
     pure: dedicate every parameter (predicate ignored): matrices take Muon and the rest AdamW on
         their owners, so the model trains with no FSDP2 at all.
+    param_dtype: mixed precision, as FSDP2's MixedPrecisionPolicy: dedicated parameters are
+        gathered and computed with in this dtype (e.g. bf16) while the global owner keeps the
+        master in the parameter's own dtype promoted to at least fp32. Default: the parameter's.
+    reduce_dtype: dtype of the gradient sums (default: param_dtype's).
     Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP.
     """
     fsdp.require_installed()
@@ -261,6 +273,9 @@ def dedicate_params(
     if predicate is None and not pure:
         raise ValueError("pass a predicate(name, param) -> bool, or pure=True to dedicate all")
     _check_meshes(mesh, replicate_mesh)
+    for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise ValueError(f"{what} must be a floating torch.dtype or None, got {dt!r}")
 
     seen: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -307,14 +322,15 @@ def dedicate_params(
         old = params[pid]
         owner = plan.owner(names[0])
         shard, rep = owner if isinstance(owner, tuple) else (owner, 0)
-        e = Entry(names[0], tuple(names), old.shape, old.dtype, shard, rep, old)
+        dt = param_dtype or old.dtype
+        e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
         device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
             data = old.detach().to(device, torch.promote_types(old.dtype, torch.float32), copy=True)
         elif st.is_local_owner(e):
-            data = old.detach().to(device, copy=True)
+            data = old.detach().to(device, dt, copy=True)
         else:
-            data = torch.empty(0, dtype=old.dtype, device=device)
+            data = torch.empty(0, dtype=dt, device=device)
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
         new_params[pid] = e.param
@@ -352,7 +368,8 @@ def _sync_replicas(st: DedicatedState) -> None:
     for e in st.entries:
         if st.is_local_owner(e):
             buf = e.param.detach().to(e.dtype)
-            broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
+            with phase(f"dedicate_params (replica sync of {e.name})"):
+                broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
             if not st.is_global_owner(e):
                 e.param.detach().copy_(buf)
 

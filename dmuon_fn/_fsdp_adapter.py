@@ -51,6 +51,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def counted_here(t: torch.Tensor) -> bool:
+    """Whether this rank's local part of `t` counts in a sum over the job: a DTensor's local
+    shard counts on the rank at coordinate 0 of every mesh dim it is replicated over (HSDP
+    replicas hold identical copies); a plain tensor always."""
+    if not isinstance(t, DTensor):
+        return True
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:  # this rank is not in the tensor's mesh
+        return False
+    return all(c == 0 for c, pl in zip(coord, t.placements, strict=True) if pl.is_replicate())
+
+
 def is_fully_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()

@@ -10,6 +10,12 @@ Param groups (usable with torch.optim.lr_scheduler):
 Every rank holds a state entry with the same keys for every parameter (0-size placeholders where
 it does not own the parameter), so `state_dict()` has identical key sets on all ranks. The state
 is per rank: save and load every rank's `state_dict()` (not rank 0's alone).
+
+Each step first takes the global gradient norm (one all-reduce, `_guard`): with
+`max_grad_norm` the gradients are clipped by it; with nonfinite="skip" (default) a non-finite
+gradient anywhere leaves every parameter and all optimizer state untouched on every rank (the
+writes are masked on device, no host sync); "raise" raises instead (one host sync);
+"ignore" takes no norm and runs no collective.
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import custom_ops
+
 from . import _fsdp_adapter as fsdp
+from . import _guard as guard
 from ._dedicate import DedicatedState, dedicated_state
 from ._orthogonalize import NSConfig
+from ._plan_check import check_setup_consistent
 from ._update import AdamWState, MuonState, adamw_update, muon_update
 
 
@@ -48,6 +58,8 @@ class Muon(torch.optim.Optimizer):
         ns_kernel: str | None = None,
         ns_dtype: torch.dtype | None = None,
         state_dtype: torch.dtype | None = torch.float32,
+        max_grad_norm: float | None = None,
+        nonfinite: str = "skip",
     ) -> None:
         st = dedicated_state(model)
         if st is None:
@@ -67,6 +79,8 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
         if not all(0.0 <= b < 1.0 for b in adamw_betas):
             raise ValueError(f"adamw_betas must lie in [0, 1), got {adamw_betas!r}")
+        guard.check_max_norm(max_grad_norm)
+        guard.check_nonfinite_mode(nonfinite)
         self.ns = NSConfig(
             steps=ns_steps,
             coefficients=coefficients
@@ -80,6 +94,15 @@ class Muon(torch.optim.Optimizer):
         self.replicate_async = replicate_async
         self.adjust_lr = adjust_lr
         self.state_dtype = state_dtype
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        device = st.entries[0].param.device
+        # last step's global gradient norm (before clipping) and the count of skipped steps:
+        # device tensors, read them when logging (reading syncs)
+        self.grad_norm = torch.zeros((), device=device)
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._sq: torch.Tensor | None = None  # this step's Σ‖g‖², once taken
+        self._clipped = False
         self.ns_calls = 0  # Newton-Schulz runs on this rank, for tests and benchmarks
         self._names = {id(p): n for n, p in model.named_parameters()}
         muon, adamw = [], []
@@ -119,6 +142,14 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self.state[p] = self._init_state(group["kind"], p)
+        check_setup_consistent(
+            {
+                "NS kernel": custom_ops.resolve_kernel(self.ns.kernel, device).name,
+                "NS config": repr(self.ns),
+                "optimizer": repr((adjust_lr, state_dtype, max_grad_norm, nonfinite)),
+                "param groups": repr([(g["kind"], len(g["params"])) for g in self.param_groups]),
+            }
+        )
 
     def _updates_here(self, p: torch.Tensor) -> bool:
         e = self.st.entry(p)
@@ -131,14 +162,15 @@ class Muon(torch.optim.Optimizer):
             if kind == "muon":
                 return {"momentum_buffer": empty}
             return {
-                "step": torch.zeros((), dtype=torch.float32),
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
                 "exp_avg": empty,
                 "exp_avg_sq": empty.clone(),
             }
         if kind == "muon":
             return {"momentum_buffer": torch.zeros_like(p, dtype=dt)}
+        # the step count lives on the parameter's device, so a masked (skipped) step never syncs
         return {
-            "step": torch.zeros((), dtype=torch.float32),
+            "step": torch.zeros((), dtype=torch.float32, device=p.device),
             "exp_avg": torch.zeros_like(p, dtype=dt),
             "exp_avg_sq": torch.zeros_like(p, dtype=dt),
         }
@@ -149,6 +181,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ok = self._check_grads()
         for group in self.param_groups:
             lr = torch.tensor(group["lr"], dtype=torch.float32)
             wd = torch.tensor(group["weight_decay"], dtype=torch.float32)
@@ -177,8 +210,8 @@ class Muon(torch.optim.Optimizer):
                         ns=self.ns,
                     )
                     self.ns_calls += 1
-                    p.copy_(new)
-                    state["momentum_buffer"].copy_(ms.momentum)
+                    _write(p, new, ok)
+                    _write(state["momentum_buffer"], ms.momentum, ok)
                 else:
                     lp, lg = fsdp.local(p), fsdp.local(p.grad)
                     m, v = fsdp.local(state["exp_avg"]), fsdp.local(state["exp_avg_sq"])
@@ -191,25 +224,92 @@ class Muon(torch.optim.Optimizer):
                         eps=group["eps"],
                         weight_decay=wd,
                     )
-                    lp.copy_(new)
-                    m.copy_(a.exp_avg)
-                    v.copy_(a.exp_avg_sq)
-                    state["step"].copy_(a.step)
+                    _write(lp, new, ok)
+                    _write(m, a.exp_avg, ok)
+                    _write(v, a.exp_avg_sq, ok)
+                    _write(state["step"], a.step, ok)
         self.st.publish(self.replicate_async)
+        self._sq, self._clipped = None, False
         return loss
 
+    def _held_grads(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, local gradient, counts in the job-wide sum) for every gradient this rank
+        will apply; one copy of each value counts (see `_guard`)."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or not self._updates_here(p):
+                    continue
+                e = self.st.entry(p)
+                if e is not None and not e.touched:
+                    continue  # a stale gradient: step() skips it, so does the norm
+                out.append((self._names[id(p)], fsdp.local(p.grad), fsdp.counted_here(p.grad)))
+        return out
+
+    def _global_sq(self) -> torch.Tensor:
+        """[Σ‖g‖² counting each value once, Σ‖g‖² over every local copy] over the job: the
+        first is the norm; the second is non-finite whenever any rank's copy is."""
+        if self._sq is None:
+            held = self._held_grads()
+            sq = guard.squared_norms([g for _, g, _ in held], self.grad_norm.device)
+            once = torch.tensor([c for _, _, c in held], dtype=torch.bool, device=sq.device)
+            both = torch.stack([sq.where(once, 0.0).sum(), sq.sum()])
+            self._sq = guard.all_reduce_sum(both, "step (global gradient norm)")
+        return self._sq
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient by min(1, max_norm / ‖all gradients‖) (one all-reduce, stays
+        on device) and return the total norm before clipping (float32, 0-d). Equals
+        torch.nn.utils.clip_grad_norm_ over the unsharded model's gradients."""
+        guard.check_max_norm(max_norm)
+        total = self._global_sq()[0].sqrt()
+        coef = guard.clip_coefficient(total, max_norm)
+        for _, g, _ in self._held_grads():
+            g.mul_(coef.to(g.device, g.dtype))
+        self._clipped = True
+        return total.float()
+
+    def _check_grads(self) -> torch.Tensor | None:
+        """The step's gradient guard: clip, record the norm, and return the on-device
+        "gradients are finite" flag that masks every write (None: nonfinite="ignore")."""
+        if self.nonfinite == "ignore" and self.max_grad_norm is None:
+            return None
+        if self.max_grad_norm is not None and not self._clipped:
+            self.clip_grad_norm_(self.max_grad_norm)
+        once, every = self._global_sq()
+        self.grad_norm.copy_(once.sqrt())
+        if self.nonfinite == "ignore":
+            return None
+        ok = torch.isfinite(every)
+        if self.nonfinite == "raise" and not bool(ok):
+            self._sq, self._clipped = None, False
+            bad = [n for n, g, _ in self._held_grads() if not g.isfinite().all()]
+            raise FloatingPointError(
+                f"non-finite gradient (global Σ‖g‖² = {every.item()}); on this rank: "
+                f"{bad or 'none (it is on another rank)'}. No parameter or state was changed"
+            )
+        self.skipped_steps.add_((~ok).to(torch.int64))
+        return ok
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch.optim.Optimizer's, then back to `state_dtype` (the base class casts state
-        to each parameter's dtype, which would silently turn fp32 moments of bf16 params bf16)."""
+        """As torch.optim.Optimizer's, then step counts back on the parameter's device and the
+        rest back to `state_dtype` (the base class casts state to each parameter's dtype, which
+        would silently turn fp32 moments of bf16 params bf16)."""
         super().load_state_dict(state_dict)
-        if self.state_dtype is None:
-            return
-        for state in self.state.values():
+        for p, state in self.state.items():
             for k, v in state.items():
-                if k != "step" and torch.is_tensor(v) and v.is_floating_point():
+                if k == "step":
+                    state[k] = v.to(p.device)
+                elif self.state_dtype is not None and torch.is_tensor(v) and v.is_floating_point():
                     state[k] = v.to(self.state_dtype)
 
     def wait_publish(self) -> None:
         """Block until every background publish of the last step has landed."""
         for e in self.st.entries:
             self.st.wait_publish(e)
+
+
+def _write(dst: torch.Tensor, new: torch.Tensor, ok: torch.Tensor | None) -> None:
+    """dst ← new, or left as it is where the step is skipped (`ok` False), without a sync."""
+    dst.copy_(new if ok is None else torch.where(ok.to(dst.device), new, dst))

@@ -83,3 +83,26 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
         f"ranks 0 and {bad} {what}. Every rank must call partition() with the same parameter "
         "names, shapes and sizes (check the dedication filter and the model config per rank)."
     )
+
+
+def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | None = None) -> None:
+    """Raise `PlanMismatchError` on every rank unless all ranks of `group` report the same
+    `fields` (e.g. the Newton-Schulz kernel each rank resolved): one `all_gather_object`.
+
+    A rank that runs another kernel or configuration would not hang, but its owners' updates
+    would silently differ from the rest of the job; a different step structure would hang.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    records: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(records, dict(fields), group=group)
+    for r, rec in enumerate(records):
+        if rec == records[0]:
+            continue
+        keys = [*records[0], *(k for k in rec if k not in records[0])]
+        key = next(k for k in keys if rec.get(k) != records[0].get(k))
+        raise PlanMismatchError(
+            f"ranks 0 and {r} disagree on {key}: {records[0].get(key)!r} on rank 0, "
+            f"{rec.get(key)!r} on rank {r}. Every rank must run the same configuration (check "
+            "$DMUON_NS_KERNEL, installed kernel packages and the GPU type on every node)"
+        )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._dynamo  # imported once before forking: fully_shard imports it, ~3 s per rank
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

@@ -61,6 +61,7 @@ def test_public_api_is_pinned():
             "load_checkpoint",
             "save_state",
             "load_state",
+            "CollectiveError",
         ]
     )
     for name in dmuon_fn.__all__:
