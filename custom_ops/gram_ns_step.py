@@ -51,7 +51,10 @@ def gram_ns_step(
     _check(R, Qz)
     sym_mm = resolve_kernel(impl, R.device).sym_mm
     Z = sym_mm(R, R, R, c, b)
-    Qz_next = (Z * q if q != 1.0 else Z) if Qz is None else sym_mm(Z, Qz, a * Qz + q * Z, 1.0, 1.0)
+    if Qz is None:
+        Qz_next = Z * q if q != 1.0 else Z
+    else:  # a·Qz rides in the GEMM's fp32 accumulation; q·Z is added after, in place
+        Qz_next = sym_mm(Z, Qz, Qz, 1.0, a).add_(Z, alpha=q)
     if update_r:
         T = sym_mm(Z, R, R, 1.0, a)
         R_next = sym_mm(Z, T, T, 1.0, a)

@@ -89,17 +89,21 @@ class NSConfig:
                 )
 
 
-def _normalize(G: Tensor, eps: float) -> Tensor:
-    """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64): two reductions
-    (amax, amin: each ~20x faster than aminmax or abs().amax on this CPU) and one scaled copy,
-    normalized in place."""
+def _normalize(G: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64), returned in
+    `out_dtype` (default: that fp32/fp64): two reductions (amax, amin: each ~20x faster than
+    aminmax or abs().amax on this CPU), one scaled copy, and the second division written
+    straight into the output dtype (the same two roundings as dividing, then casting)."""
     dt = torch.promote_types(G.dtype, torch.float32)
     dims = (-2, -1)
     amax = torch.maximum(
         -torch.amin(G, dim=dims, keepdim=True), torch.amax(G, dim=dims, keepdim=True)
     )
     X = G.to(dt) / amax.to(dt).clamp_min(torch.finfo(dt).tiny)
-    return X.div_(torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps)
+    norm = torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps
+    if out_dtype is None or out_dtype == dt:
+        return X.div_(norm)
+    return torch.div(X, norm, out=torch.empty_like(X, dtype=out_dtype))
 
 
 def _standard(X: Tensor, rows: Sequence[tuple[float, float, float]], impl: str) -> Tensor:
@@ -174,8 +178,11 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig) -> Tensor:
     rows = schedule(cfg.coefficients, cfg.steps)
     tall = G.shape[-2] > G.shape[-1]
     # Transpose before normalizing, so G and Gᵀ give bitwise-transposed results.
-    X = _normalize(G.mT.contiguous() if tall else G, cfg.eps)
-    X = X.to(cfg.dtype or default_iteration_dtype(G.device, G.dtype))
+    X = _normalize(
+        G.mT.contiguous() if tall else G,
+        cfg.eps,
+        cfg.dtype or default_iteration_dtype(G.device, G.dtype),
+    )
     method = ns_method(X.shape, cfg.method)
     if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
         raise ValueError(
