@@ -13,14 +13,16 @@ Every parameter is dedicated (FSDP2's hooks cannot be traced in torch 2.13): mat
 full parameter on its local owners and a 0-size placeholder elsewhere; dmuon::owner_broadcast
 gathers every parameter before the differentiated loss, and dmuon::two_stage_reduce (its
 transpose) leaves the data-parallel mean gradient on the global owner (zeros shaped like the
-slot elsewhere). Under HSDP `update` publishes the new values to the other replicas' local owners.
+slot elsewhere). Given stages [(names, fn), ...] instead of one loss, value_and_grad gathers per
+stage and again in backward (Z3, dmuon_fn._functional_z3). Under HSDP `update` publishes the new
+values to the other replicas' local owners.
 Rank-specific choices (who owns what) are Python constants of the plan, so each rank compiles
 its own graph once; lr, weight decay and step counts are 0-d tensors and never recompile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._dedicate import _check_meshes
+from ._functional_z3 import Stage, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import Plan, partition
 from ._plan_check import check_plan_consistent
@@ -202,15 +205,24 @@ def reduce_all(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, tor
 
 
 def value_and_grad(
-    loss_fn: Callable[[dict[str, torch.Tensor], Any], torch.Tensor], fn_plan: FnPlan
+    loss_fn: Callable[[dict[str, torch.Tensor], Any], torch.Tensor] | Sequence[Stage],
+    fn_plan: FnPlan,
 ) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """(params, batch) -> (this rank's loss, grads): loss_fn sees full parameters; each grad is
     the data-parallel mean on the parameter's global owner, zeros shaped like the slot elsewhere.
 
-    The gather runs before and the reduce after the differentiated function, each as one op
-    over every parameter: a graph scheduler may reorder independent nodes differently on ranks
-    whose graphs differ (owners and non-owners), which would mismatch per-parameter collectives.
+    loss_fn(params, batch) -> loss (Z2-like): the gather runs before and the reduce after the
+    differentiated function, each as one op over every parameter: a graph scheduler may reorder
+    independent nodes differently on ranks whose graphs differ (owners and non-owners), which
+    would mismatch per-parameter collectives. Every gathered parameter lives for the whole step.
+
+    A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None for the first
+    stage, the loss from the last), runs Z3: each stage's parameters are gathered for its
+    forward, freed, and gathered again for its backward (dmuon_fn._functional_z3); the results
+    equal the Z2 form's to fp32 rounding.
     """
+    if not callable(loss_fn):
+        return staged_value_and_grad(loss_fn, fn_plan)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
         full = gather_all(params, fn_plan)

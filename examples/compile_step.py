@@ -3,7 +3,10 @@
 Trains examples/model.py's TinyGPT on a deterministic synthetic token stream with the functional
 API (every parameter dedicated: Muon on matrices, AdamW on the rest), with a cosine learning
 rate schedule passed as 0-d tensors, and prints the number of graphs, graph breaks and
-recompiles. torchrun --nproc_per_node=4 examples/compile_step.py [--steps 30]
+recompiles. --z3 runs the step as stages (embedding, each block, head): each stage's parameters
+are gathered for its forward, freed, and gathered again for its backward, so a rank holds its own
+parameters and one block's copy instead of the whole model.
+torchrun --nproc_per_node=4 examples/compile_step.py [--steps 30] [--z3]
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _launch import init
 from model import TinyGPT
 from torch._dynamo.utils import counters
@@ -30,9 +34,38 @@ def tokens(step: int, rank: int, batch: int = 8, seq: int = 64, vocab: int = 96)
     return (start + stride * torch.arange(seq)) % vocab
 
 
+def gpt_stages(model: TinyGPT) -> list:
+    """TinyGPT as value_and_grad stages (names, fn(params, x, tokens) -> x; the last -> loss)."""
+
+    def embed(p, _, tokens):
+        x = F.embedding(tokens[:, :-1], p["tok.weight"])
+        return x + p["pos.weight"][: tokens.shape[1] - 1]
+
+    def block(i):
+        pre = f"blocks.{i}."
+
+        def fn(p, x, _):
+            local = {n[len(pre) :]: v for n, v in p.items()}
+            return torch.func.functional_call(model.blocks[i], local, (x,))
+
+        return [pre + n for n, _ in model.blocks[i].named_parameters()], fn
+
+    def head(p, x, tokens):
+        h = F.layer_norm(x, x.shape[-1:], p["ln.weight"], p["ln.bias"])
+        logits = F.linear(h, p["head.weight"])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    return [
+        (["tok.weight", "pos.weight"], embed),
+        *(block(i) for i in range(len(model.blocks))),
+        (["ln.weight", "ln.bias", "head.weight"], head),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--z3", action="store_true", help="gather per stage, again in backward")
     args = ap.parse_args()
     device, rank, world = init()
     mesh = init_device_mesh(device, (world,)) if world > 1 else None
@@ -44,9 +77,11 @@ def main() -> None:
     def loss_fn(params, batch):
         return torch.func.functional_call(model, params, (batch,))
 
+    objective = gpt_stages(model) if args.z3 else loss_fn
+
     @torch.compile(fullgraph=True)
     def train_step(state, batch, lr, adamw_lr):
-        loss, grads = dmuon_fn.value_and_grad(loss_fn, plan)(state.params, batch)
+        loss, grads = dmuon_fn.value_and_grad(objective, plan)(state.params, batch)
         return loss, dmuon_fn.update(grads, state, lr=lr, adamw_lr=adamw_lr)
 
     counters.clear()

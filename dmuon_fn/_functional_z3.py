@@ -1,0 +1,151 @@
+"""Z3 inside the compiled functional step: gather one stage's parameters at a time, free them
+after its forward, gather them again for its backward.
+
+    stages = [(names, fn), ...]    # fn(params, x, batch) -> x; the last stage returns the loss
+    loss, grads = dmuon_fn.value_and_grad(stages, plan)(state.params, batch)
+
+The differentiation is written out stage by stage with torch.func.vjp, so it needs neither
+saved-tensor hooks (torch.func.grad rejects them in torch 2.13), nor checkpoint HOPs, nor a
+custom autograd.Function (dynamo inlines its forward under torch.func.grad and drops the custom
+backward). Forward: stage i's parameters are broadcast from their owners, fn runs, only its
+input activation is kept. Backward, last stage first: broadcast again, recompute the stage under
+vjp, pull the cotangent through, reduce the parameter gradients onto their owners. At any
+moment a rank holds its own parameters and one stage's gathered copy (the last stage is
+gathered once: its forward and backward are adjacent).
+
+Collective order. Every gather and reduce is one dmuon op over one stage's parameters, and ranks'
+graphs differ (owners and non-owners), so nothing may let a scheduler order them differently
+per rank: each op takes a 0-size token made by the previous op (an extra entry with a size-1
+route, so it never reaches torch.distributed) and makes the next — a strict data-dependency
+chain G0 … G(L-1) R(L-1) G(L-2) R(L-2) … G0 R0, the same on every rank. A gather also waits
+(`after`) for the activation it is needed for, so no scheduler can hoist it and hold two
+stages' copies at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from ._functional import FnPlan
+
+StageFn = Callable[[dict[str, torch.Tensor], Any, Any], Any]
+Stage = tuple[Sequence[str], StageFn]
+
+_SELF = (0, 1, 1, 0, 1, 1)  # a size-1 route: the token never reaches torch.distributed
+
+
+def _flat(rows) -> list[int]:
+    return [x for row in rows for x in row]
+
+
+def check_stages(
+    stages: Sequence[Stage], fn_plan: FnPlan
+) -> tuple[tuple[tuple[str, ...], StageFn], ...]:
+    """Each stage as (names, fn); every planned parameter in at least one stage."""
+    if not stages:
+        raise ValueError("stages is empty: pass [(names, fn), ...], the last returning the loss")
+    out, seen = [], set()
+    for i, stage in enumerate(stages):
+        if not (isinstance(stage, tuple | list) and len(stage) == 2 and callable(stage[1])):
+            raise ValueError(f"stage {i} must be a (names, fn) pair, got {stage!r}")
+        names = tuple(stage[0])
+        unknown = [n for n in names if n not in fn_plan.names]
+        if unknown:
+            raise ValueError(f"stage {i} names {unknown[0]!r}, which the plan does not hold")
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"stage {i} must name its parameters once each, got {names}")
+        seen.update(names)
+        out.append((names, stage[1]))
+    missing = [n for n in fn_plan.names if n not in seen]
+    if missing:
+        raise ValueError(f"{missing[0]!r} is in no stage: every planned parameter needs one")
+    return tuple(out)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _gather(params, names, fn_plan, token, after):
+    """Stage parameters in full on every rank of the shard group, and the next token."""
+    idx = [fn_plan.names.index(n) for n in names]
+    shapes = [fn_plan.shapes[i] for i in idx] + [(0,)]
+    *outs, token = torch.ops.dmuon.owner_broadcast(
+        [params[n] for n in names] + [token],
+        _flat(shapes),
+        [len(s) for s in shapes],
+        _flat([fn_plan.routes[i] for i in idx] + [_SELF]),
+        fn_plan.group,
+        after=after,
+    )
+    return dict(zip(names, outs, strict=True)), token
+
+
+def _reduce(grads, names, fn_plan, token):
+    """Stage gradients -> the data-parallel mean on each global owner (see reduce_all)."""
+    idx = [fn_plan.names.index(n) for n in names]
+    local = [fn_plan.shapes[i] if fn_plan.routes[i][1] else (0,) for i in idx] + [(0,)]
+    *outs, token = torch.ops.dmuon.two_stage_reduce(
+        [grads[n] for n in names] + [token],
+        _flat(local),
+        [len(s) for s in local],
+        _flat([fn_plan.routes[i] for i in idx] + [_SELF]),
+        fn_plan.group,
+        fn_plan.rep_group,
+        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
+    )
+    return dict(zip(names, outs, strict=True)), token
+
+
+def _vjp(fn: StageFn, full, x, batch):
+    """(output, pullback): the pullback maps the output's cotangent to (param grads, x's)."""
+    if x is None:
+        out, pull = torch.func.vjp(lambda f: fn(f, None, batch), full)
+        return out, lambda cot: (pull(cot)[0], None)
+    return torch.func.vjp(lambda f, a: fn(f, a, batch), full, x)
+
+
+def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan):
+    """(params, batch) -> (this rank's loss, grads), as value_and_grad, holding one stage's
+    gathered parameters at a time. A name may appear in several stages (tied weights): its
+    gradient is reduced after each and summed on the owner."""
+    stages = check_stages(stages, fn_plan)
+
+    def run(params: dict[str, torch.Tensor], batch: Any):
+        token = params[fn_plan.names[0]].new_zeros(0)
+        xs, x = [], None
+        for names, fn in stages[:-1]:
+            full, token = _gather(params, names, fn_plan, token, _tensors(x))
+            xs.append(x)
+            x = fn(full, x, batch)
+            del full  # dead after the stage: the backward gathers it again
+        names, fn = stages[-1]
+        full, token = _gather(params, names, fn_plan, token, _tensors(x))
+        loss, pull = _vjp(fn, full, x, batch)
+        del full
+        if loss.ndim != 0:
+            raise ValueError(
+                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
+            )
+        cot = torch.ones_like(loss)
+        grads: dict[str, torch.Tensor] = {}
+        for i in range(len(stages) - 1, -1, -1):
+            names, fn = stages[i]
+            if i < len(stages) - 1:
+                full, token = _gather(params, names, fn_plan, token, _tensors(cot))
+                _, pull = _vjp(fn, full, xs[i], batch)
+                del full
+                xs[i] = None  # held by the pullback until it has run
+            g_full, cot = pull(cot)
+            del pull
+            reduced, token = _reduce(g_full, names, fn_plan, token)
+            for n, g in reduced.items():
+                grads[n] = grads[n] + g if n in grads else g
+        return loss, {n: grads[n] for n in fn_plan.names}
+
+    return run
