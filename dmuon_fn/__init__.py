@@ -6,7 +6,17 @@ from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_stat
 from ._coefficients import PRESETS
 from ._comm import CommCounter
 from ._dedicate import dedicate_params
-from ._functional import Config, FnPlan, State, full_params, init, plan, update, value_and_grad
+from ._functional import (
+    Config,
+    FnPlan,
+    State,
+    full_params,
+    global_grad_norm,
+    init,
+    plan,
+    update,
+    value_and_grad,
+)
 from ._guard import CollectiveError
 from ._optim import Muon
 from ._orthogonalize import NSConfig, orthogonalize
@@ -42,6 +52,7 @@ __all__ = [
     "dedicate_params",
     "full_params",
     "get_ns_backend",
+    "global_grad_norm",
     "init",
     "load_checkpoint",
     "load_state",

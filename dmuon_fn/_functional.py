@@ -28,9 +28,11 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _guard as guard
 from ._dedicate import _check_meshes
 from ._functional_z3 import Stage, staged_value_and_grad
 from ._orthogonalize import NSConfig
@@ -54,6 +56,16 @@ class Config:
     adjust_lr: str = "match_rms_adamw"
     ns: NSConfig = field(default_factory=NSConfig)
     state_dtype: torch.dtype = torch.float32
+    max_grad_norm: float | None = None  # clip every gradient by the global norm
+    nonfinite: str = "skip"  # "skip": a non-finite gradient anywhere leaves the state unchanged
+
+    def __post_init__(self) -> None:
+        guard.check_max_norm(self.max_grad_norm)
+        if self.nonfinite not in ("skip", "ignore"):
+            raise ValueError(
+                f"Config.nonfinite must be 'skip' or 'ignore' (a compiled step cannot raise "
+                f"without a host sync), got {self.nonfinite!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -163,7 +175,7 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
             opt[name] = MuonState(torch.zeros_like(like, dtype=sd))
         else:
             opt[name] = AdamWState(
-                torch.zeros((), dtype=torch.float32),
+                torch.zeros((), dtype=torch.float32, device=local.device),
                 torch.zeros_like(like, dtype=sd),
                 torch.zeros_like(like, dtype=sd),
             )
@@ -242,17 +254,29 @@ def update(
     adamw_weight_decay: torch.Tensor | float | None = None,
 ) -> State:
     """One optimizer step (pure): Muon or AdamW on the parameters this rank owns, then (HSDP)
-    the publish to the other replicas. adamw_lr defaults to lr."""
+    the publish to the other replicas. adamw_lr defaults to lr.
+
+    With `Config.max_grad_norm` the gradients are first clipped by the global norm; with
+    `Config.nonfinite="skip"` (default) a non-finite gradient anywhere returns every parameter
+    and all optimizer state unchanged on every rank (masked on device). Either costs one
+    in-graph all-reduce of a float64 scalar per mesh dimension (`global_grad_norm`)."""
     p_, cfg = state.plan, state.config
     adamw_lr = lr if adamw_lr is None else adamw_lr
     wd = cfg.weight_decay if weight_decay is None else weight_decay
     awd = cfg.adamw_weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    ok = None
+    if cfg.max_grad_norm is not None or cfg.nonfinite == "skip":
+        sq = _global_sq(grads, p_)
+        if cfg.max_grad_norm is not None:
+            coef = guard.clip_coefficient(sq.sqrt(), cfg.max_grad_norm)
+            grads = {n: g * coef.to(g.dtype) for n, g in grads.items()}
+        ok = torch.isfinite(sq) if cfg.nonfinite == "skip" else None
     params, opt = dict(state.params), dict(state.opt)
     for name in p_.names:
         if not (p_.is_global_owner(name) and name in p_.trainable):
             continue
         if name in p_.muon:
-            params[name], opt[name] = muon_update(
+            new = muon_update(
                 params[name],
                 grads[name],
                 opt[name],
@@ -264,7 +288,7 @@ def update(
                 ns=cfg.ns,
             )
         else:
-            params[name], opt[name] = adamw_update(
+            new = adamw_update(
                 params[name],
                 grads[name],
                 opt[name],
@@ -273,6 +297,7 @@ def update(
                 eps=cfg.adamw_eps,
                 weight_decay=awd,
             )
+        params[name], opt[name] = _keep_if_skipped(ok, new, (params[name], opt[name]))
     mine = [n for n in p_.names if p_.is_local_owner(n)]
     if p_.replicate_size > 1 and mine:
         # one publish over the replicate group (whose ranks all hold the same `mine`), ordered
@@ -288,6 +313,34 @@ def update(
         )
         params.update(zip(mine, outs, strict=True))
     return State(params, opt, p_, cfg)
+
+
+def global_grad_norm(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
+    """‖all gradients‖ of the job (float64, 0-d, every rank), from `value_and_grad`'s grads:
+    each value lives on its global owner only (zeros elsewhere), so the sums over the shard and
+    replicate groups count each entry once (proofs/guard.md). In-graph, under compile too."""
+    return _global_sq(grads, fn_plan).sqrt()
+
+
+def _global_sq(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
+    gs = [grads[n] for n in fn_plan.names]
+    sq = guard.squared_norms(gs, gs[0].device).sum()
+    for size, group in (
+        (fn_plan.shard_size, fn_plan.group),
+        (fn_plan.replicate_size, fn_plan.rep_group),
+    ):
+        if size > 1:
+            sq = funcol.all_reduce(sq, "sum", group)
+    return sq
+
+
+def _keep_if_skipped(ok: torch.Tensor | None, new: tuple, old: tuple) -> tuple:
+    """`new` (param, optimizer state), or `old` where `ok` is False: a masked write, no sync."""
+    if ok is None:
+        return new
+    param = torch.where(ok, new[0], old[0])
+    state = type(new[1])(*(torch.where(ok, a, b) for a, b in zip(new[1], old[1], strict=True)))
+    return param, state
 
 
 def full_params(state: State) -> dict[str, torch.Tensor]:

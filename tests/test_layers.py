@@ -62,6 +62,7 @@ def test_public_api_is_pinned():
             "save_state",
             "load_state",
             "CollectiveError",
+            "global_grad_norm",
         ]
     )
     for name in dmuon_fn.__all__:
