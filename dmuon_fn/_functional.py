@@ -32,12 +32,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import custom_ops
+
 from . import _guard as guard
 from ._dedicate import _check_meshes
 from ._functional_z3 import Stage, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import Plan, partition
-from ._plan_check import check_plan_consistent
+from ._plan_check import check_plan_consistent, check_setup_consistent
 from ._update import AdamWState, MuonState, adamw_update, muon_update
 
 Route = tuple[int, int, int, int, int, int]
@@ -179,6 +181,14 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
                 torch.zeros_like(like, dtype=sd),
                 torch.zeros_like(like, dtype=sd),
             )
+    if fn_plan.shard_size * fn_plan.replicate_size > 1:
+        device = next(iter(params.values())).device
+        check_setup_consistent(
+            {
+                "NS kernel": custom_ops.resolve_kernel(config.ns.kernel, device).name,
+                "Config": repr(config),
+            }
+        )
     return State(params, opt, fn_plan, config)
 
 

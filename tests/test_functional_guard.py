@@ -1,9 +1,12 @@
-"""The functional step's gradient guard under torch.compile(fullgraph=True): global-norm
+"""The functional step's guards under torch.compile(fullgraph=True): global-norm
 clipping equal to torch.nn.utils.clip_grad_norm_ on a one-process reference, and a non-finite
 gradient on one rank leaving every parameter and optimizer state bitwise unchanged everywhere,
-with no recompile (the decision is a tensor)."""
+with no recompile (the decision is a tensor); and a rank with another NS kernel is an error at
+init."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -106,6 +109,23 @@ def _nonfinite(rank, world, hsdp):
 def test_nonfinite_gradient_skips_the_compiled_step_everywhere(world, hsdp):
     for same, changed, nan, frames in run_ranks(_nonfinite, world, hsdp):
         assert same and changed and nan and frames == 1
+
+
+def _mismatch(rank, world):
+    if rank == 1:
+        os.environ["DMUON_NS_KERNEL"] = "torch_mm"  # this forked rank only
+    mesh, _ = meshes(world, False)
+    model = make("mlp")
+    try:
+        dmuon.init(model, dmuon.plan(model, mesh))
+    except dmuon.PlanMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_with_another_kernel_is_detected_at_init():
+    for msg in run_ranks(_mismatch, 2):
+        assert "ranks 0 and 1 disagree on NS kernel: 'cpu_syrk' on rank 0, 'torch_mm'" in msg
 
 
 def test_config_validates_the_guard():
