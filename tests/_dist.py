@@ -7,6 +7,7 @@ rank's traceback. A hung collective fails the test after `timeout` seconds inste
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -27,12 +28,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
+def _entry(
+    rank: int, world: int, port: int, out: str, fn: Callable, args: tuple, pg_timeout: float | None
+) -> None:
     torch.set_num_threads(1)  # forked children otherwise hang in OpenMP
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: object
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        kw = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
         result = ("ok", fn(rank, world, *args))
     except BaseException:  # report every rank's failure to the parent
         result = ("error", traceback.format_exc())
@@ -42,11 +46,14 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable, args: tuple
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_ranks(fn: Callable, world: int, *args, timeout: float = 240.0) -> list:
+def run_ranks(
+    fn: Callable, world: int, *args, timeout: float = 240.0, pg_timeout: float | None = None
+) -> list:
+    """`pg_timeout`: the process group's collective timeout in seconds (default: torch's)."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
             _entry,
-            args=(world, _free_port(), out, fn, args),
+            args=(world, _free_port(), out, fn, args, pg_timeout),
             nprocs=world,
             start_method="fork",
             join=False,

@@ -5,6 +5,7 @@ detection, and collective failures that name their phase."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -285,3 +286,26 @@ def _peer_gone(rank, world):
 def test_a_dead_peer_is_an_error_naming_the_phase():
     msg = run_ranks(_peer_gone, 2, timeout=120)[0]
     assert "a collective failed on rank 0 during forward (parameter gather) of" in msg, msg
+
+
+def _hung_peer(rank, world):
+    mesh, _ = meshes(world, False)
+    model = make("mlp")
+    dmuon.dedicate_params(model, mesh, pure=True)
+    opt = dmuon.Muon(model)
+    if rank == 1:
+        time.sleep(8)  # alive but silent: rank 0's collective must time out, not hang
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        model(batch("mlp", 0, rank)).backward()
+        opt.step()
+    except CollectiveError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_a_hung_peer_times_out_with_an_error_naming_the_phase():
+    msg, waited = run_ranks(_hung_peer, 2, pg_timeout=2.0, timeout=120)[0]
+    assert "a collective failed on rank 0 during forward (parameter gather) of" in msg, msg
+    assert 1.5 < waited < 8.0, waited
