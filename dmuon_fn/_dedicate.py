@@ -11,9 +11,10 @@ Who holds what (G ranks in the shard group, R replicas under HSDP):
 - backward: the autograd transpose of that broadcast, a sum onto the local owner (stage 1); under
   HSDP a second sum across the replicate group onto the global owner (stage 2); the global owner
   divides by G·R (the data-parallel average) into `param.grad`.
-- Z3 (`reshard_after_forward=True`): the gathered copy is not kept for backward: autograd's
-  saved references to it are replaced by a handle and it is broadcast again when backward needs
-  it. Z2 keeps it until backward has used it.
+- Z3 (`reshard_after_forward=True`): the gathered copy is not kept for backward: it is
+  broadcast again when backward needs it. Z2 keeps it until backward has used it.
+- a block compiled with torch.compile traces these gathers and reduces into its graph, one
+  graph for identical blocks on every rank (`_gather`).
 - after the optimizer step (HSDP), the global owner publishes the new value, in the model dtype,
   to the local owners of the other replicas; with `replicate_async` the publish runs in the
   background and is waited on right before the parameter's next gather.
@@ -29,9 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from custom_ops._collectives import broadcast_into, reduce_sum
+from custom_ops._collectives import broadcast_into
+from custom_ops._handles import new_handle
 
 from . import _fsdp_adapter as fsdp
+from ._gather import ParamHandler, install_hooks
 from ._guard import phase
 from ._partition import Plan, partition
 from ._plan_check import check_plan_consistent
@@ -52,12 +55,27 @@ class Entry:
     owner_shard: int
     owner_replica: int
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
-    touched: bool = False  # got a gradient this step (identical on every rank that took part)
     publish: dist.Work | None = None
+    # names this entry to dmuon::param_gather/param_reduce (custom_ops._handles); requires grad
+    # as `param` does, and backward sets its .grad when it reaches the gather
+    handle: torch.Tensor | None = None
+    handler: ParamHandler | None = None
+    device: torch.device | None = None  # param's: compiled hooks read this, never `param`
 
     @property
     def is_matrix(self) -> bool:
         return len(self.shape) >= 2
+
+    @property
+    def touched(self) -> bool:
+        """Backward reached this parameter's gather since the last step (the same on every rank
+        that took part)."""
+        return self.handle.grad is not None
+
+    def next_step(self) -> None:
+        """Forget this step's `touched`; follow `param.requires_grad` (set since by the user)."""
+        self.handle.grad = None
+        self.handle.requires_grad_(self.param.requires_grad)
 
 
 @dataclass(eq=False)
@@ -103,13 +121,13 @@ class DedicatedState:
         """Global owners send updated values to the other replicas (no-op on a 1-D mesh)."""
         if self.replicate_group is None:
             for e in self.entries:
-                e.touched = False
+                e.next_step()
             return
         for e in self.entries:
-            if not (self.is_local_owner(e) and e.touched):
-                e.touched = False
+            touched = e.touched
+            e.next_step()
+            if not (self.is_local_owner(e) and touched):
                 continue
-            e.touched = False
             self.wait_publish(e)
             p = e.param
             # the parameter itself, except the global owner's fp32 master, sent as a cast copy
@@ -121,91 +139,6 @@ class DedicatedState:
             e.publish = work
             if not asynchronous:
                 self.wait_publish(e)
-
-
-class _Gather(torch.autograd.Function):
-    """Broadcast from the local owner; backward sums onto it (and onto the global owner)."""
-
-    @staticmethod
-    def forward(ctx, p: torch.Tensor, e: Entry, st: DedicatedState) -> torch.Tensor:
-        ctx.e, ctx.st = e, st
-        return _broadcast_value(e, st, p, "forward (parameter gather)")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        e, st = ctx.e, ctx.st
-        g = grad.to(e.reduce_dtype).contiguous().clone()
-        with phase(f"backward (gradient reduce of {e.name})"):
-            reduce_sum(g, e.owner_shard, st.shard_group, st.shard_size)
-            if st.replicate_group is not None and st.is_local_owner(e):
-                reduce_sum(g, e.owner_replica, st.replicate_group, st.replicate_size)
-        e.touched = True
-        if not st.is_global_owner(e):
-            return None, None, None
-        g = g.to(e.param.dtype).div_(st.shard_size * st.replicate_size)
-        return g, None, None
-
-
-def _broadcast_value(e: Entry, st: DedicatedState, p: torch.Tensor, what: str) -> torch.Tensor:
-    with phase(f"{what} of {e.name}"):
-        st.wait_publish(e)
-        if st.is_local_owner(e):
-            buf = p.detach().to(e.dtype, copy=True)
-        else:
-            buf = torch.empty(e.shape, dtype=e.dtype, device=p.device)
-        return broadcast_into(buf, e.owner_shard, st.shard_group, st.shard_size)
-
-
-class _Z3Saver:
-    """saved_tensors_hooks that keep only a handle to gathered copies and re-gather in backward."""
-
-    def __init__(self, st: DedicatedState) -> None:
-        self.st = st
-        self.live: dict[int, Entry] = {}  # storage ptr of a gathered copy -> its entry
-        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
-
-    def pack(self, t: torch.Tensor):
-        e = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if e is None:
-            return t
-        return (_HANDLE, e, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(self, x):
-        if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
-            return x
-        _, e, size, stride, offset = x
-        with torch.no_grad():
-            full = _broadcast_value(e, self.st, e.param, "backward (Z3 parameter re-gather)")
-        return full.as_strided(size, stride, offset)
-
-
-_HANDLE = object()
-
-
-def _install_hooks(module: nn.Module, slots: list[tuple[str, Entry]], st: DedicatedState) -> None:
-    saver = _Z3Saver(st) if st.reshard_after_forward else None
-
-    def pre(mod: nn.Module, args):
-        for pname, e in slots:
-            full = _Gather.apply(e.param, e, st)
-            if saver is not None:
-                saver.live[full.untyped_storage().data_ptr()] = e
-            mod._parameters[pname] = full  # the module computes with the gathered copy
-        if saver is not None and torch.is_grad_enabled():
-            saver.ctx = torch.autograd.graph.saved_tensors_hooks(saver.pack, saver.unpack)
-            saver.ctx.__enter__()
-
-    def post(mod: nn.Module, args, output):
-        if saver is not None:
-            if saver.ctx is not None:
-                saver.ctx.__exit__(None, None, None)
-                saver.ctx = None
-            saver.live.clear()
-        for pname, e in slots:
-            mod._parameters[pname] = e.param
-
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post, always_call=True)
 
 
 def _check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
@@ -333,6 +266,9 @@ def dedicate_params(
             data = torch.empty(0, dtype=dt, device=device)
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
+        e.device = device
+        e.handler = ParamHandler(e, st)
+        e.handle = new_handle(e.handler).requires_grad_(e.param.requires_grad)
         new_params[pid] = e.param
         st.entries.append(e)
         st.by_param[id(e.param)] = e
@@ -345,7 +281,7 @@ def dedicate_params(
                 module._parameters[pname] = new
                 slots.setdefault(module, []).append((pname, st.by_param[id(new)]))
     for module, s in slots.items():
-        _install_hooks(module, s, st)
+        install_hooks(module, s, st)
     _sync_replicas(st)
     setattr(model, STATE_ATTR, st)
     return st.owners()

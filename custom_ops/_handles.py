@@ -1,0 +1,72 @@
+"""Handles: tensors that name a Python object to dmuon::param_gather / dmuon::param_reduce.
+
+dmuon_fn's object API gathers each dedicated parameter from its owner before the module that
+uses it runs, and sums its gradient back onto the owner in backward. Who owns the parameter,
+its groups and its pending HSDP publish are per-parameter Python state; inside a compiled
+block they must not be graph constants (every block would compile its own graph, and each rank
+another) nor graph inputs shaped by ownership (full on the owner, 0-size elsewhere). So the ops
+take a handle: a one-element float64 CPU tensor whose value keys a registry of `Handler`s
+(one element, not 0-d: Dynamo turns a 0-d float64 CPU input into a symbolic float and
+restarts its analysis to specialize it). Every
+handle has the same metadata, so one graph serves every block of a model on every rank, and the
+ops stay opaque to tracing: the handler's code runs when the op runs.
+
+A handle's `.grad` is set by autograd whenever backward reaches the gather of the parameter it
+names (`param_reduce` returns it), which is how the owner knows the parameter took part in a
+step. The registry holds handlers weakly: a handler lives as long as its owner keeps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class Handler(Protocol):
+    def gather(self) -> Tensor:
+        """The parameter's full value on this rank (a collective on every rank of its group)."""
+        ...
+
+    def reduce(self, grad: Tensor) -> None:
+        """Sum `grad` (the full-shape gradient of the gathered value) onto the owner."""
+        ...
+
+
+_HANDLERS: weakref.WeakValueDictionary[int, Handler] = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+
+
+def new_handle(handler: Handler) -> Tensor:
+    """Register `handler`; return its handle (shape (1,), float64 on the CPU: exact to 2**53)."""
+    key = next(_NEXT)
+    _HANDLERS[key] = handler
+    return torch.tensor([float(key)], dtype=torch.float64)
+
+
+def handler(handle: Tensor) -> Handler:
+    key = int(handle.item())
+    try:
+        return _HANDLERS[key]
+    except KeyError:
+        raise RuntimeError(
+            f"dmuon: no live handler for handle {key}: its parameter's owner was deleted"
+        ) from None
+
+
+class SampleHandler:
+    """Single-process handler (the contract test's samples): gathers `value`, sums gradients
+    into `grad`."""
+
+    def __init__(self, value: Tensor) -> None:
+        self.value, self.grad = value, torch.zeros_like(value)
+        self.handle = new_handle(self)
+
+    def gather(self) -> Tensor:
+        return self.value.clone()
+
+    def reduce(self, grad: Tensor) -> None:
+        self.grad += grad

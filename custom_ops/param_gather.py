@@ -1,0 +1,77 @@
+"""dmuon::param_gather — a dedicated parameter's full value, from its owner, on this rank.
+
+handle: a handle (custom_ops._handles) naming the parameter; shape, dtype, device: the full
+value's, the same on every rank. Returns that value; the handler runs the broadcast from the
+owner (a collective: every rank of the group calls it in the same order). Autograd: the
+gradient of the output goes to dmuon::param_reduce (the broadcast's transpose, a sum onto the
+owner), and the handle's gradient is what that op returns, so `handle.grad` marks that
+backward reached this gather.
+
+Not tagged nondeterministic_seeded like the other collectives: under Z3 a compiled block
+recomputes this op in backward (selective activation checkpointing, MUST_RECOMPUTE), and the
+partitioner would treat a seeded op as a random one. Registered side-effectful, so it is never
+dead-code eliminated. Without an explicit policy the partitioner never recomputes it (custom
+ops are outside its recompute allowlist).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _handles
+from ._registry import OpSpec, register_op
+
+torch.library.define(
+    "dmuon::param_gather", "(Tensor handle, int[] shape, ScalarType dtype, Device device) -> Tensor"
+)
+torch.fx.node.has_side_effect(torch.ops.dmuon.param_gather.default)
+
+
+@torch.library.impl("dmuon::param_gather", "CompositeExplicitAutograd")
+def param_gather(
+    handle: Tensor, shape: list[int], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    out = _handles.handler(handle).gather()
+    if out.shape != tuple(shape) or out.dtype != dtype or out.device != torch.device(device):
+        raise RuntimeError(
+            f"dmuon::param_gather: the handler returned {tuple(out.shape)} {out.dtype} on "
+            f"{out.device}, the op promised {tuple(shape)} {dtype} on {device}"
+        )
+    return out
+
+
+@torch.library.register_fake("dmuon::param_gather")
+def _(handle, shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad):
+    (handle,) = ctx.saved_tensors
+    return torch.ops.dmuon.param_reduce(grad, handle), None, None, None
+
+
+torch.library.register_autograd("dmuon::param_gather", _backward, setup_context=_setup_context)
+
+
+_SAMPLES: list[_handles.SampleHandler] = []  # the registry holds handlers weakly
+
+
+def _samples():
+    g = torch.Generator().manual_seed(5)
+    if not _SAMPLES:
+        _SAMPLES.extend(
+            _handles.SampleHandler(torch.randn(*s, generator=g, dtype=dt))
+            for s, dt in (((6, 4), torch.float32), ((3, 5, 2), torch.bfloat16))
+        )
+    for h in _SAMPLES:
+        v = h.value
+        yield (h.handle.detach().requires_grad_(), list(v.shape), v.dtype, v.device), {}
+    yield (_SAMPLES[0].handle, [6, 4], torch.float32, torch.device("cpu")), {}  # no autograd
+
+
+register_op(OpSpec("dmuon::param_gather", torch.ops.dmuon.param_gather, _samples, True))

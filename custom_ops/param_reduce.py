@@ -1,0 +1,51 @@
+"""dmuon::param_reduce — sum a dedicated parameter's gradient onto its owner.
+
+grad: the full-shape gradient of what dmuon::param_gather returned; handle: the same handle.
+The handler runs the reduction (a collective on every rank of the group) and leaves the result
+where the owner keeps it (dmuon_fn: the global owner's `param.grad`). Returns the handle's
+gradient (ones, shaped like the handle), so the op has a use in every graph and autograd
+marks `handle.grad`.
+
+No autograd: it is the backward of dmuon::param_gather; nothing differentiates it again.
+Registered side-effectful and never recomputed (nondeterministic_seeded, as the other
+collectives).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _handles
+from ._collectives import define_collective
+from ._registry import OpSpec, register_op
+
+define_collective("dmuon::param_reduce", "(Tensor grad, Tensor handle) -> Tensor")
+
+
+@torch.library.impl("dmuon::param_reduce", "CompositeExplicitAutograd")
+def param_reduce(grad: Tensor, handle: Tensor) -> Tensor:
+    _handles.handler(handle).reduce(grad)
+    return torch.ones_like(handle)
+
+
+@torch.library.register_fake("dmuon::param_reduce")
+def _(grad, handle):
+    return torch.empty_like(handle)
+
+
+_SAMPLES: list[_handles.SampleHandler] = []  # the registry holds handlers weakly
+
+
+def _samples():
+    g = torch.Generator().manual_seed(6)
+    if not _SAMPLES:
+        _SAMPLES.extend(
+            _handles.SampleHandler(torch.randn(*s, generator=g, dtype=dt))
+            for s, dt in (((6, 4), torch.float32), ((3, 5, 2), torch.bfloat16))
+        )
+    for h in _SAMPLES:
+        yield (torch.randn(h.value.shape, generator=g).to(h.value.dtype), h.handle), {}
+
+
+register_op(OpSpec("dmuon::param_reduce", torch.ops.dmuon.param_reduce, _samples, False))
