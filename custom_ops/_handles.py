@@ -44,7 +44,7 @@ def new_handle(handler: Handler) -> Tensor:
     """Register `handler`; return its handle (shape (1,), float64 on the CPU: exact to 2**53)."""
     key = next(_NEXT)
     _HANDLERS[key] = handler
-    return torch.tensor([float(key)], dtype=torch.float64)
+    return torch.tensor([float(key)], dtype=torch.float64, device="cpu")  # never a default device
 
 
 def handler(handle: Tensor) -> Handler:

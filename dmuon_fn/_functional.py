@@ -32,14 +32,12 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import custom_ops
-
 from . import _guard as guard
 from ._dedicate import _check_meshes
 from ._functional_z3 import Stage, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import Plan, partition
-from ._plan_check import check_plan_consistent, check_setup_consistent
+from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field
 from ._update import AdamWState, MuonState, adamw_update, muon_update
 
 Route = tuple[int, int, int, int, int, int]
@@ -181,14 +179,12 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
                 torch.zeros_like(like, dtype=sd),
                 torch.zeros_like(like, dtype=sd),
             )
+    device = next(iter(params.values())).device
+    kernel, error = kernel_field(config.ns.kernel, device)
     if fn_plan.shard_size * fn_plan.replicate_size > 1:
-        device = next(iter(params.values())).device
-        check_setup_consistent(
-            {
-                "NS kernel": custom_ops.resolve_kernel(config.ns.kernel, device).name,
-                "Config": repr(config),
-            }
-        )
+        check_setup_consistent({"NS kernel": kernel, "Config": repr(config)})
+    if error is not None:
+        raise error
     return State(params, opt, fn_plan, config)
 
 
@@ -274,7 +270,7 @@ def update(
     adamw_lr = lr if adamw_lr is None else adamw_lr
     wd = cfg.weight_decay if weight_decay is None else weight_decay
     awd = cfg.adamw_weight_decay if adamw_weight_decay is None else adamw_weight_decay
-    ok = None
+    ok, sq = None, None
     if cfg.max_grad_norm is not None or cfg.nonfinite == "skip":
         sq = _global_sq(grads, p_)
         if cfg.max_grad_norm is not None:
@@ -319,7 +315,9 @@ def update(
             [len(p_.shape(n)) for n in mine],
             _flat(routes),
             p_.rep_group,
-            after=[grads[n] for n in p_.names],
+            # and after the guard's all-reduce on the same group: a rank that updates nothing
+            # would otherwise have the two collectives unordered in its graph
+            after=[grads[n] for n in p_.names] + ([] if sq is None else [sq]),
         )
         params.update(zip(mine, outs, strict=True))
     return State(params, opt, p_, cfg)
@@ -333,8 +331,11 @@ def global_grad_norm(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.T
 
 
 def _global_sq(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
-    gs = [grads[n] for n in fn_plan.names]
-    sq = guard.squared_norms(gs, gs[0].device).sum()
+    """Σ‖g‖² over the trainable parameters (`update` leaves the rest as they are), every rank
+    issuing the same all-reduces whatever it owns."""
+    device = grads[fn_plan.names[0]].device
+    sq = guard.squared_norms([grads[n] for n in fn_plan.names if n in fn_plan.trainable], device)
+    sq = guard.total(list(sq), device)
     for size, group in (
         (fn_plan.shard_size, fn_plan.group),
         (fn_plan.replicate_size, fn_plan.rep_group),

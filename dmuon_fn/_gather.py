@@ -94,7 +94,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.h.reduce(grad)
-        return torch.ones(1, dtype=torch.float64), None
+        return torch.ones(1, dtype=torch.float64, device="cpu"), None
 
 
 def _gather_op(handle: torch.Tensor, shape: list[int], dtype: torch.dtype, device: torch.device):

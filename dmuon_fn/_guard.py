@@ -34,8 +34,8 @@ def phase(what: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, TimeoutError) as e:  # DistBackendError/DistError derive from these
-        if isinstance(e, CollectiveError):
-            raise
+        if isinstance(e, CollectiveError | torch.OutOfMemoryError):
+            raise  # already named, or not the collective's fault (callers catch OOM by type)
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise CollectiveError(
             f"dmuon_fn: a collective failed on rank {rank} during {what}: {e}. A peer rank "
@@ -53,6 +53,14 @@ def squared_norms(grads: Sequence[Tensor], device: torch.device) -> Tensor:
         return torch.zeros(0, dtype=torch.float64, device=device)
     norms = torch._foreach_norm(list(grads))
     return torch.stack([n.to(device, torch.float64) for n in norms]).square()
+
+
+def total(sq: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The sum of 0-d float64 tensors (0 for none), on device: no host-built index or mask,
+    which would be a blocking host-to-device copy on CUDA."""
+    if not sq:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(list(sq)).sum()
 
 
 def all_reduce_sum(t: Tensor, what: str) -> Tensor:

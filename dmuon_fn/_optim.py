@@ -27,13 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import custom_ops
-
 from . import _fsdp_adapter as fsdp
 from . import _guard as guard
 from ._dedicate import DedicatedState, dedicated_state
 from ._orthogonalize import NSConfig
-from ._plan_check import check_setup_consistent
+from ._plan_check import check_setup_consistent, kernel_field
 from ._update import AdamWState, MuonState, adamw_update, muon_update
 
 
@@ -142,14 +140,17 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self.state[p] = self._init_state(group["kind"], p)
+        kernel, error = kernel_field(self.ns.kernel, device)
         check_setup_consistent(
             {
-                "NS kernel": custom_ops.resolve_kernel(self.ns.kernel, device).name,
+                "NS kernel": kernel,
                 "NS config": repr(self.ns),
                 "optimizer": repr((adjust_lr, state_dtype, max_grad_norm, nonfinite)),
                 "param groups": repr([(g["kind"], len(g["params"])) for g in self.param_groups]),
             }
         )
+        if error is not None:
+            raise error
 
     def _updates_here(self, p: torch.Tensor) -> bool:
         e = self.st.entry(p)
@@ -248,12 +249,13 @@ class Muon(torch.optim.Optimizer):
 
     def _global_sq(self) -> torch.Tensor:
         """[Σ‖g‖² counting each value once, Σ‖g‖² over every local copy] over the job: the
-        first is the norm; the second is non-finite whenever any rank's copy is."""
+        first is the norm; the second is non-finite whenever any rank's copy is. Taken once per
+        step: `clip_grad_norm_` takes it afresh, `zero_grad` and `step` forget it."""
         if self._sq is None:
             held = self._held_grads()
             sq = guard.squared_norms([g for _, g, _ in held], self.grad_norm.device)
-            once = torch.tensor([c for _, _, c in held], dtype=torch.bool, device=sq.device)
-            both = torch.stack([sq.where(once, 0.0).sum(), sq.sum()])
+            once = [s for s, (_, _, counted) in zip(sq, held, strict=True) if counted]
+            both = torch.stack([guard.total(once, sq.device), guard.total(list(sq), sq.device)])
             self._sq = guard.all_reduce_sum(both, "step (global gradient norm)")
         return self._sq
 
@@ -261,35 +263,48 @@ class Muon(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient by min(1, max_norm / ‖all gradients‖) (one all-reduce, stays
         on device) and return the total norm before clipping (float32, 0-d). Equals
-        torch.nn.utils.clip_grad_norm_ over the unsharded model's gradients."""
+        torch.nn.utils.clip_grad_norm_ over the unsharded model's gradients. A following
+        `step()` reuses this norm and does not clip again."""
         guard.check_max_norm(max_norm)
+        self._sq = None  # the gradients may have changed since any earlier norm
+        total = self._clip(max_norm)
+        self._clipped = True
+        return total.float()
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
         total = self._global_sq()[0].sqrt()
         coef = guard.clip_coefficient(total, max_norm)
         for _, g, _ in self._held_grads():
             g.mul_(coef.to(g.device, g.dtype))
-        self._clipped = True
-        return total.float()
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._sq, self._clipped = None, False
+        for e in self.st.entries:  # a compiled block reads the handle's flag, never the param's
+            if e.handle.requires_grad != e.param.requires_grad:
+                e.handle.requires_grad_(e.param.requires_grad)
 
     def _check_grads(self) -> torch.Tensor | None:
-        """The step's gradient guard: clip, record the norm, and return the on-device
-        "gradients are finite" flag that masks every write (None: nonfinite="ignore")."""
+        """The step's gradient guard: decide skip/raise from the unclipped gradients, then clip,
+        record the norm, and return the on-device "gradients are finite" flag that masks every
+        write (None: nonfinite="ignore")."""
         if self.nonfinite == "ignore" and self.max_grad_norm is None:
             return None
-        if self.max_grad_norm is not None and not self._clipped:
-            self.clip_grad_norm_(self.max_grad_norm)
         once, every = self._global_sq()
         self.grad_norm.copy_(once.sqrt())
-        if self.nonfinite == "ignore":
-            return None
-        ok = torch.isfinite(every)
+        ok = None if self.nonfinite == "ignore" else torch.isfinite(every)
         if self.nonfinite == "raise" and not bool(ok):
-            self._sq, self._clipped = None, False
             bad = [n for n, g, _ in self._held_grads() if not g.isfinite().all()]
+            self._sq, self._clipped = None, False
             raise FloatingPointError(
                 f"non-finite gradient (global Σ‖g‖² = {every.item()}); on this rank: "
                 f"{bad or 'none (it is on another rank)'}. No parameter or state was changed"
             )
-        self.skipped_steps.add_((~ok).to(torch.int64))
+        if self.max_grad_norm is not None and not self._clipped:
+            self._clip(self.max_grad_norm)
+        if ok is not None:
+            self.skipped_steps.add_((~ok).to(torch.int64))
         return ok
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -13,7 +13,10 @@ import hashlib
 import json
 from array import array
 
+import torch
 import torch.distributed as dist
+
+import custom_ops
 
 from ._partition import Plan
 
@@ -106,3 +109,13 @@ def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | No
             f"{rec.get(key)!r} on rank {r}. Every rank must run the same configuration (check "
             "$DMUON_NS_KERNEL, installed kernel packages and the GPU type on every node)"
         )
+
+
+def kernel_field(name: str | None, device: torch.device) -> tuple[str, Exception | None]:
+    """The NS kernel this rank resolves, for `check_setup_consistent`, and the error if it
+    cannot: raised only after the check, so a rank that cannot run the requested kernel makes
+    every rank raise instead of leaving the others waiting in the check's collective."""
+    try:
+        return custom_ops.resolve_kernel(name, device).name, None
+    except (ValueError, RuntimeError) as e:
+        return f"unavailable ({e})", e

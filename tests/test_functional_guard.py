@@ -24,9 +24,13 @@ CFG = dict(
 )
 
 
-def _setup(rank, world, hsdp, **cfg):
+FROZEN = "layers.0.up_proj.weight"
+
+
+def _setup(rank, world, hsdp, frozen=False, **cfg):
     mesh, rep = meshes(world, hsdp)
     model = make("mlp")
+    model.get_parameter(FROZEN).requires_grad_(not frozen)
     fp = dmuon.plan(model, mesh, replicate_mesh=rep)
     state = dmuon.init(model, fp, dmuon.Config(**CFG, **cfg))
 
@@ -42,19 +46,24 @@ def _setup(rank, world, hsdp, **cfg):
     return state, torch.compile(step, backend=cnt, fullgraph=True), cnt
 
 
-def _norm(rank, world, hsdp):
-    state, step, cnt = _setup(rank, world, hsdp, max_grad_norm=0.05)
+def _norm(rank, world, hsdp, frozen):
+    state, step, cnt = _setup(rank, world, hsdp, frozen, max_grad_norm=0.05)
     norm, _ = step(state, batch("mlp", 0, rank), torch.tensor(HP["lr"]))
     return norm.item(), cnt.frame_count
 
 
-@pytest.mark.parametrize("world,hsdp", [(1, False), (2, False), (4, True)])
-def test_global_grad_norm_equals_torch_on_the_unsharded_model(world, hsdp):
+@pytest.mark.parametrize(
+    "world,hsdp,frozen", [(1, False, False), (2, False, False), (2, False, True), (4, True, False)]
+)
+def test_global_grad_norm_equals_torch_on_the_unsharded_model(world, hsdp, frozen):
+    """Over the trainable parameters: a frozen one is left out, as torch leaves out a
+    parameter without .grad."""
     ref = make("mlp")
+    ref.get_parameter(FROZEN).requires_grad_(not frozen)
     (sum(ref(batch("mlp", 0, r)) for r in range(world)) / world).backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
     assert want > 0.05  # so the clipping test below clips
-    for norm, frames in run_ranks(_norm, world, hsdp):
+    for norm, frames in run_ranks(_norm, world, hsdp, frozen):
         assert abs(norm - want) / want < 1e-5 and frames == 1
 
 

@@ -91,6 +91,27 @@ def _clip_in_step(rank, world):
     return out
 
 
+def _norms_without_step(rank, world):
+    """A loss-spike guard that skips the step: the next clip must see the new gradients."""
+    model, opt = _setup(world)
+    out = []
+    for step in range(2):
+        opt.zero_grad()
+        model(batch("mlp", step, rank)).backward()
+        out.append(opt.clip_grad_norm_(0.05).item())
+    return out
+
+
+def test_clip_norm_is_fresh_after_zero_grad_without_a_step():
+    want = []
+    for step in range(2):
+        ref = make("mlp")
+        (sum(ref(batch("mlp", step, r)) for r in range(2)) / 2).backward()
+        want.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+    for got in run_ranks(_norms_without_step, 2):
+        assert all(abs(g - w) / w < 1e-5 for g, w in zip(got, want, strict=True)), (got, want)
+
+
 def test_max_grad_norm_in_step_equals_explicit_clip():
     (a, na), (b, nb) = run_ranks(_clip_in_step, 2)[0]
     assert na == nb > 0
@@ -165,8 +186,8 @@ def test_mixed_precision_bf16_compute_fp32_masters_and_state():
 # ---- reliability ----------------------------------------------------------------------------
 
 
-def _nonfinite(rank, world, hsdp, mode):
-    model, opt = _setup(world, hsdp, nonfinite=mode)
+def _nonfinite(rank, world, hsdp, mode, clip=None):
+    model, opt = _setup(world, hsdp, nonfinite=mode, max_grad_norm=clip)
     for step in range(2):
         opt.zero_grad()
         model(batch("mlp", step, rank)).backward()
@@ -200,11 +221,13 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(world, hsdp):
         assert unchanged and not raised and skipped == 1 and moved
 
 
-def test_nonfinite_gradient_raises_on_every_rank_when_asked():
-    results = run_ranks(_nonfinite, 2, False, "raise")
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_nonfinite_gradient_raises_on_every_rank_when_asked(clip):
+    results = run_ranks(_nonfinite, 2, False, "raise", clip)
     for unchanged, raised, skipped, moved in results:
         assert unchanged and "non-finite gradient" in raised and skipped == 0 and moved
-    assert "layers.1.ln.weight" in results[1][1] and "another rank" in results[0][1]
+    # decided before clipping: clipping by a NaN norm would have made every gradient NaN
+    assert "['layers.1.ln.weight']" in results[1][1] and "another rank" in results[0][1]
 
 
 def _zero(rank, world):
@@ -254,6 +277,8 @@ def _mismatch(rank, world, how):
         os.environ["DMUON_NS_KERNEL"] = "torch_mm"  # this forked rank only
     if how == "config" and rank == 1:
         kw = {"ns_steps": 6}
+    if how == "unavailable" and rank == 1:
+        os.environ["DMUON_NS_KERNEL"] = "cublas"  # cannot run on this rank's device
     try:
         dmuon.Muon(model, **kw)
     except dmuon.PlanMismatchError as e:
@@ -261,7 +286,9 @@ def _mismatch(rank, world, how):
     return "no error"
 
 
-@pytest.mark.parametrize("how,what", [("kernel", "NS kernel"), ("config", "NS config")])
+@pytest.mark.parametrize(
+    "how,what", [("kernel", "NS kernel"), ("config", "NS config"), ("unavailable", "NS kernel")]
+)
 def test_a_rank_with_another_kernel_or_config_is_detected_at_setup(how, what):
     for msg in run_ranks(_mismatch, 2, how):
         assert f"ranks 0 and 1 disagree on {what}" in msg, msg
