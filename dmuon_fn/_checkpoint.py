@@ -8,7 +8,8 @@ Every rank writes only what it holds; nothing is gathered. The state dict each r
 - `optim.<name>.<key>`: the optimizer state of a parameter on the rank(s) that update it: the
   global owner of a dedicated parameter (momentum, or AdamW's step and moments), every rank for
   FSDP2 shards (DTensor moments, a replicated 0-d step).
-- `optim.param_groups.<kind>.<hyper>` (object API): lr, momentum, betas, ... on every rank.
+- `optim.param_groups.<kind>.<hyper>` (object API): lr, momentum, betas, ... on every rank;
+  `optim.skipped_steps`, `optim.grad_norm`: the gradient guard's counters, on every rank.
 
 Load reads the saved metadata on every rank (no collective), checks names and full shapes, then
 each rank requests only what it holds under the NEW plan: the new global owner the value and
@@ -130,7 +131,15 @@ def _object_dict(
             if e is None or st.is_global_owner(e):
                 for k, v in optimizer.state[p].items():
                     sd[f"optim.{names[id(p)]}.{k}"] = v
+    for k, v in _counters(optimizer).items():
+        sd[f"optim.{k}"] = v
     return sd
+
+
+def _counters(optimizer: Muon) -> dict[str, torch.Tensor]:
+    """The guard's 0-d counters, the same on every rank (read-only for the step's arithmetic,
+    kept so that a resumed run reports what an uninterrupted one would)."""
+    return {"skipped_steps": optimizer.skipped_steps, "grad_norm": optimizer.grad_norm}
 
 
 def _object_shapes(model: nn.Module, optimizer: Muon, st: DedicatedState) -> dict[str, tuple]:
@@ -147,6 +156,7 @@ def _object_shapes(model: nn.Module, optimizer: Muon, st: DedicatedState) -> dic
             for k, v in optimizer.state[p].items():
                 # Muon's state: 0-d step counts, the rest shaped like the parameter
                 shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else s
+    shapes.update({f"optim.{k}": () for k in _counters(optimizer)})
     return shapes
 
 

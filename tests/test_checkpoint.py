@@ -96,6 +96,8 @@ def _obj_full(model, opt):
                     if k == "param" and st.is_local_owner(e):
                         consistent &= torch.equal(v.detach(), full.to(v.dtype))
                 out[f"{names[id(p)]}.{k}"] = full
+    out["guard.skipped_steps"] = opt.skipped_steps.clone()
+    out["guard.grad_norm"] = opt.grad_norm.clone()
     assert all(e.publish is None for e in st.entries), "a publish is still pending"
     return out, consistent
 
@@ -205,7 +207,11 @@ def _equal(got, want, what):
 def _state_dtypes(full, name):
     """Optimizer state other than step counts is in the configured state dtype."""
     want = OBJ[name][2] if name in OBJ else FN[name][1]
-    state = [v for k, v in full[0].items() if not k.endswith((".param", ".step"))]
+    state = [
+        v
+        for k, v in full[0].items()
+        if not k.endswith((".param", ".step")) and not k.startswith("guard.")
+    ]
     return all(v.dtype == want for v in state if torch.is_tensor(v))
 
 
