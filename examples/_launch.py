@@ -19,3 +19,11 @@ def init() -> tuple[str, int, int]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     dist.init_process_group("gloo")
     return "cpu", dist.get_rank(), dist.get_world_size()
+
+
+def finish() -> None:
+    """Leave together: wait for every rank (rank 0 may still be writing results), then tear the
+    process group down. A rank that closes its gloo connections while a peer is still running
+    can abort the job at exit."""
+    dist.barrier()
+    dist.destroy_process_group()

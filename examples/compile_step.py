@@ -16,9 +16,8 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from _launch import init
+from _launch import finish, init
 from model import TinyGPT
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
@@ -102,7 +101,7 @@ def main() -> None:
             f"first_step_s={first:.1f} (compile included)"
         )
     if world > 1:
-        dist.destroy_process_group()
+        finish()
 
 
 if __name__ == "__main__":

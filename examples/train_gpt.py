@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from _launch import init
+from _launch import finish, init
 from _png import Series, plot
 from data.grammar import corpus
 from model import TinyGPT
@@ -304,7 +304,7 @@ def main() -> None:
         with open(os.path.join(args.out, "gpt_loss.png"), "wb") as f:
             f.write(fig.png())
         print(table, flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
