@@ -75,7 +75,13 @@ class Entry:
     def next_step(self) -> None:
         """Forget this step's `touched`; follow `param.requires_grad` (set since by the user)."""
         self.handle.grad = None
-        self.handle.requires_grad_(self.param.requires_grad)
+        self.follow_requires_grad()
+
+    def follow_requires_grad(self) -> None:
+        """The handle requires grad as the parameter does: a compiled block reads the handle's
+        flag, never the parameter's."""
+        if self.handle.requires_grad != self.param.requires_grad:
+            self.handle.requires_grad_(self.param.requires_grad)
 
 
 @dataclass(eq=False)

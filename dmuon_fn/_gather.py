@@ -104,8 +104,7 @@ def _gather_op(handle: torch.Tensor, shape: list[int], dtype: torch.dtype, devic
 def gather(e: Entry, st: DedicatedState) -> torch.Tensor:
     """The full value of `e` for the module about to run; autograd sums its gradient back."""
     if not torch.compiler.is_compiling():
-        if e.handle.requires_grad != e.param.requires_grad:
-            e.handle.requires_grad_(e.param.requires_grad)
+        e.follow_requires_grad()
         return _Gather.apply(e.handle, e.handler)
     shape = list(e.shape)
     if st.reshard_after_forward:  # recomputed in backward instead of saved

@@ -255,7 +255,7 @@ class Muon(torch.optim.Optimizer):
             held = self._held_grads()
             sq = guard.squared_norms([g for _, g, _ in held], self.grad_norm.device)
             once = [s for s, (_, _, counted) in zip(sq, held, strict=True) if counted]
-            both = torch.stack([guard.total(once, sq.device), guard.total(list(sq), sq.device)])
+            both = torch.stack([guard.total(once, sq.device), sq.sum()])
             self._sq = guard.all_reduce_sum(both, "step (global gradient norm)")
         return self._sq
 
@@ -281,9 +281,8 @@ class Muon(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._sq, self._clipped = None, False
-        for e in self.st.entries:  # a compiled block reads the handle's flag, never the param's
-            if e.handle.requires_grad != e.param.requires_grad:
-                e.handle.requires_grad_(e.param.requires_grad)
+        for e in self.st.entries:  # a parameter (un)frozen since: compiled blocks see it now
+            e.follow_requires_grad()
 
     def _check_grads(self) -> torch.Tensor | None:
         """The step's gradient guard: decide skip/raise from the unclipped gradients, then clip,
