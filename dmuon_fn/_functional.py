@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _guard as guard
 from ._dedicate import _check_meshes
-from ._functional_z3 import Stage, staged_value_and_grad
+from ._functional_z3 import Stage, _flat, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import Plan, partition
 from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field
@@ -188,10 +188,6 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
     return State(params, opt, fn_plan, config)
 
 
-def _flat(rows) -> list[int]:
-    return [x for row in rows for x in row]
-
-
 def gather_all(params: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
     """Every parameter in full on every rank of its shard group, in one call (name order)."""
     names = fn_plan.names
@@ -334,8 +330,8 @@ def _global_sq(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
     """Σ‖g‖² over the trainable parameters (`update` leaves the rest as they are), every rank
     issuing the same all-reduces whatever it owns."""
     device = grads[fn_plan.names[0]].device
-    sq = guard.squared_norms([grads[n] for n in fn_plan.names if n in fn_plan.trainable], device)
-    sq = guard.total(list(sq), device)
+    gs = [grads[n] for n in fn_plan.names if n in fn_plan.trainable]
+    sq = guard.squared_norms(gs, device).sum()
     for size, group in (
         (fn_plan.shard_size, fn_plan.group),
         (fn_plan.replicate_size, fn_plan.rep_group),
