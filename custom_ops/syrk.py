@@ -1,9 +1,10 @@
-"""dmuon::syrk — alpha·A·Aᵀ + beta·C with an exactly symmetric result.
+"""dmuon::syrk — alpha·A·Aᵀ + beta·C with a symmetric result.
 
-A: (..., n, k); C: (..., n, n), must be symmetric (kernels that compute one triangle read only
-its upper triangle). Returns (..., n, n) in A's dtype: exactly symmetric where the kernel computes
-a triangle and mirrors it, symmetric to rounding where one full GEMM was faster. `impl` names a
-kernel of `custom_ops._kernels.KERNELS` ("auto" resolves per device, honouring $DMUON_NS_KERNEL).
+A: (..., n, k); C: (..., n, n), must be symmetric. Returns (..., n, n) in A's dtype: exactly
+symmetric where the kernel mirrors a computed triangle (the CPU strips: outside their diagonal
+blocks, which are each one GEMM's output), symmetric to rounding where one GEMM computes it.
+`impl` names a kernel of `custom_ops._kernels.KERNELS` ("auto" resolves per device, honouring
+$DMUON_NS_KERNEL).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ def test_default_cpu_line(monkeypatch):
     monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
     line = get_ns_backend("cpu")
     assert line.startswith("Gram NS (long/short >= 1.5, short >= 32; else standard NS)")
-    assert "kernel=cpu_syrk (CPU, blocked upper-triangle GEMM strips)" in line
+    assert "kernel=cpu_syrk (CPU, blocked lower-triangle GEMM strips)" in line
     assert line.endswith("iterate in bfloat16")
     assert "\n" not in line
 

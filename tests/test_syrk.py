@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops._kernels import _CPU_MIN_N
+from custom_ops._kernels import _CPU_MIN_N, _cpu_blocks, _strip_bounds
 from tests._tolerance import PRODUCT, rel_err
 
 CPU_KERNELS = ["cpu_syrk", "torch_mm"]
@@ -60,8 +60,36 @@ def test_blocked_strips_match_float64(n, k, dtype):
     A = torch.randn(2, n, k, generator=g).to(dtype)
     C = _sym(2, n, n, generator=g).to(dtype)
     out = torch.ops.dmuon.syrk(A, C, 0.5, -2.0, impl="cpu_syrk")
-    assert torch.equal(out, out.mT), "strips mirror the upper triangle: exactly symmetric"
+    _assert_strip_symmetry(out, _cpu_blocks(n, k), dtype)
     assert rel_err(out, _ref(A, C, 0.5, -2.0)) < PRODUCT[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1024, 1031])
+def test_blocked_product_of_commuting_matrices(n, dtype):
+    """The Gram step's products: B = R·R + R commutes with A = R, so A·B is symmetric, but B is
+    a row-major matrix, not A.mT (each strip's diagonal block then differs from its transpose
+    by rounding)."""
+    g = torch.Generator().manual_seed(n)
+    X = torch.randn(n, n + 64, generator=g, dtype=torch.float64) / n
+    R = X @ X.mT
+    B = R @ R + R
+    out = custom_ops.KERNELS["cpu_syrk"].sym_mm(R.to(dtype), B.to(dtype), R.to(dtype), 2.0, -0.5)
+    assert _cpu_blocks(n, n) > 1, "the strip path is what this test is for"
+    _assert_strip_symmetry(out, _cpu_blocks(n, n), dtype)
+    ref = 2.0 * R.to(dtype).double() @ B.to(dtype).double() - 0.5 * R.to(dtype).double()
+    assert rel_err(out, ref) < PRODUCT[dtype]
+
+
+def _assert_strip_symmetry(out, blocks, dtype):
+    """Off-diagonal blocks are mirrored (bitwise symmetric); each strip's diagonal block is one
+    GEMM's output, symmetric to the dtype's rounding."""
+    n = out.shape[-1]
+    strip = torch.bucketize(torch.arange(n), torch.tensor(_strip_bounds(n, blocks)), right=True)
+    off = strip[:, None] != strip[None, :]
+    assert torch.equal(out[..., off], out.mT[..., off]), "mirrored blocks: exactly symmetric"
+    asym = (out.double() - out.double().mT).norm() / out.double().norm()
+    assert asym <= PRODUCT[dtype]
 
 
 def test_syrk_gradients_float64():

@@ -1,4 +1,4 @@
-"""dmuon::syrk's CPU kernel (blocked upper-triangle strips) vs one full GEMM `A @ A.mT`.
+"""dmuon::syrk's CPU kernel (blocked lower-triangle strips) vs one full GEMM `A @ A.mT`.
 
 Prints, per dtype and shape (n rows, k inner), both times and the ratio, measured side by side,
 and the strip count the kernel chose; the choice rule in custom_ops/_kernels.py (`_cpu_blocks`)
