@@ -89,21 +89,35 @@ class NSConfig:
                 )
 
 
-def _normalize(G: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+def _plain_eager() -> bool:
+    """Whether buffers may be reused through out= and in-place writes: not while torch.compile
+    traces (the compiler plans memory) nor under a torch.func transform (out= has no batching
+    rule, and a buffer made inside vmap is not batched like the inputs)."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
+
+
+def _normalize(
+    G: Tensor, eps: float, out_dtype: torch.dtype | None = None, scratch: Tensor | None = None
+) -> Tensor:
     """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64), returned in
-    `out_dtype` (default: that fp32/fp64): two reductions (amax, amin: each ~20x faster than
-    aminmax or abs().amax on this CPU), one scaled copy, and the second division written
-    straight into the output dtype (the same two roundings as dividing, then casting)."""
+    `out_dtype` (default: that fp32/fp64).
+
+    Two reductions (amax, amin: each ~20x faster than aminmax or abs().amax on this CPU), the
+    scaled copy written into `scratch` (a contiguous tensor of G's shape in fp32/fp64; G itself
+    is allowed) or a new tensor, the second division in place, then one cast. Large fresh
+    buffers are what cost here (each new page faults once: ~0.4 ms per MiB on this CPU), so the
+    caller hands in the buffer that later holds its result.
+    """
     dt = torch.promote_types(G.dtype, torch.float32)
     dims = (-2, -1)
     amax = torch.maximum(
         -torch.amin(G, dim=dims, keepdim=True), torch.amax(G, dim=dims, keepdim=True)
     )
-    X = G.to(dt) / amax.to(dt).clamp_min(torch.finfo(dt).tiny)
-    norm = torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps
+    X = torch.div(G, amax.to(dt).clamp_min(torch.finfo(dt).tiny), out=scratch)
+    X.div_(torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps)
     if out_dtype is None or out_dtype == dt:
-        return X.div_(norm)
-    return torch.div(X, norm, out=torch.empty_like(X, dtype=out_dtype))
+        return X
+    return X.to(out_dtype, memory_format=torch.contiguous_format)
 
 
 def _standard(X: Tensor, rows: Sequence[tuple[float, float, float]], impl: str) -> Tensor:
@@ -115,26 +129,34 @@ def _standard(X: Tensor, rows: Sequence[tuple[float, float, float]], impl: str) 
 def _gram(
     X: Tensor, rows: Sequence[tuple[float, float, float]], restarts: Collection[int], impl: str
 ) -> Tensor:
+    """Gram NS from the normalized X, which is consumed: in eager mode each restart writes the
+    new iterate into the buffer of the one before last (no fresh, page-faulting allocation)."""
     # Q = q·I + Qz; Qz None means Q = q·I (see dmuon::gram_ns_step for why the split).
     R = torch.ops.dmuon.syrk(X, impl=impl)
     Qz, q = None, 1.0
+    spare = None  # a dead iterate's buffer
     for i, (a, b, c) in enumerate(rows):
         if i in restarts:
-            X = _apply_q(Qz, q, X)
+            X, spare = _apply_q(Qz, q, X, spare), X
             R = torch.ops.dmuon.syrk(X, impl=impl)
             Qz, q = None, 1.0
         last = i == len(rows) - 1 or (i + 1) in restarts
         Qz, R = torch.ops.dmuon.gram_ns_step(R, Qz, a, b, c, q, update_r=not last, impl=impl)
         q *= a
-    return _apply_q(Qz, q, X)
+    return _apply_q(Qz, q, X, spare)
 
 
-def _apply_q(Qz: Tensor | None, q: float, X: Tensor) -> Tensor:
-    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation."""
+def _apply_q(Qz: Tensor | None, q: float, X: Tensor, out: Tensor | None = None) -> Tensor:
+    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation, written into
+    `out` (X's shape and dtype, not X) in plain eager mode."""
+    if not _plain_eager():
+        out = None
     if Qz is None:
-        return X * q
+        return torch.mul(X, q, out=out)
     flat = X.reshape(-1, *X.shape[-2:])
-    return torch.baddbmm(flat, Qz.reshape(-1, *Qz.shape[-2:]), flat, beta=q).reshape(X.shape)
+    dst = None if out is None else out.view(flat.shape)
+    Qz3 = Qz.reshape(-1, *Qz.shape[-2:])
+    return torch.baddbmm(flat, Qz3, flat, beta=q, out=dst).reshape(X.shape)
 
 
 def orthogonalize(
@@ -165,8 +187,12 @@ def orthogonalize(
     return orthogonalize_with(G, cfg)
 
 
-def orthogonalize_with(G: Tensor, cfg: NSConfig) -> Tensor:
-    """`orthogonalize` with a prebuilt, validated `NSConfig`."""
+def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> Tensor:
+    """`orthogonalize` with a prebuilt, validated `NSConfig`.
+
+    overwrite: G is a temporary its caller no longer reads (muon_update's Nesterov input), so a
+    wide, contiguous fp32/fp64 G's own buffer may hold the normalized copy and the result.
+    """
     if G.dim() < 2 or not G.is_floating_point():
         raise ValueError(
             f"orthogonalize needs a floating matrix or batch of matrices (..., m, n), "
@@ -177,12 +203,17 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig) -> Tensor:
     impl = custom_ops.resolve_kernel(cfg.kernel, G.device).name
     rows = schedule(cfg.coefficients, cfg.steps)
     tall = G.shape[-2] > G.shape[-1]
-    # Transpose before normalizing, so G and Gᵀ give bitwise-transposed results.
-    X = _normalize(
-        G.mT.contiguous() if tall else G,
-        cfg.eps,
-        cfg.dtype or default_iteration_dtype(G.device, G.dtype),
-    )
+    src = G.mT if tall else G  # iterate on the short side
+    dt = torch.promote_types(G.dtype, torch.float32)
+    it = cfg.dtype or default_iteration_dtype(G.device, G.dtype)
+    # In plain eager mode one contiguous buffer holds the normalized copy and, when the iterates
+    # are narrower than G, the result. Either way G is transposed before normalizing, into a
+    # contiguous layout, so G and Gᵀ give bitwise-transposed results.
+    buf = None
+    if _plain_eager():
+        reuse = overwrite and not tall and G.dtype == dt and G.is_contiguous()
+        buf = G if reuse else torch.empty(src.shape, dtype=dt, device=G.device)
+    X = _normalize(src if buf is not None else src.contiguous(), cfg.eps, it, scratch=buf)
     method = ns_method(X.shape, cfg.method)
     if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
         raise ValueError(
@@ -195,6 +226,6 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig) -> Tensor:
         X = _gram(X, rows, frozenset(restarts), impl)
     else:
         X = _standard(X, rows, impl)
-    if tall:
-        X = X.mT
-    return X.to(G.dtype)
+    if buf is not None and G.dtype == dt and X.dtype != dt:
+        X = buf.copy_(X)
+    return (X.mT if tall else X).to(G.dtype)

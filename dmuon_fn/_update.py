@@ -83,11 +83,18 @@ def muon_update(
     g = grad.to(buf.dtype)
     buf = torch.add(g, buf, alpha=momentum)
     u = torch.add(g, buf, alpha=momentum) if nesterov else buf
-    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns).reshape(param.shape)
-    # O and `new` are fresh temporaries: updating them in place saves two full-size allocations.
-    O = O.to(param.dtype).mul_(lr * lr_scale(param.shape, adjust_lr))
-    new = (param * (1 - lr * weight_decay)).sub_(O)
-    return new, MuonState(buf)
+    # With Nesterov, u is a temporary: orthogonalize may normalize in its buffer and return it.
+    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns, overwrite=nesterov)
+    O = O.reshape(param.shape).to(param.dtype)
+    step = lr * lr_scale(param.shape, adjust_lr)
+    decay = 1 - lr * weight_decay
+    if O.stride() != param.stride():  # (a tall matrix's O is transposed) keep param's layout
+        return (param * decay).sub_(O.mul_(step)), MuonState(buf)
+    # O is a fresh temporary in param's layout: the new parameter is written into it.
+    new = O.mul_(-step)
+    if isinstance(decay, Tensor):
+        return new.addcmul_(param, decay), MuonState(buf)
+    return new.add_(param, alpha=decay), MuonState(buf)
 
 
 def adamw_init(param: Tensor, *, dtype: torch.dtype | None = None) -> AdamWState:

@@ -8,8 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dmuon_fn import _orthogonalize as orth_module
 from dmuon_fn import orthogonalize
 from dmuon_fn._coefficients import PRESETS, schedule
+from dmuon_fn._orthogonalize import NSConfig, orthogonalize_with
 from tests._tolerance import NS_LOW_PRECISION, rel_err
 
 ASPECTS = [0.25, 0.5, 1.0, 1.5, 2.0, 4.0, 8.0]
@@ -193,6 +195,31 @@ def test_batched_matches_per_matrix():
     batched = orthogonalize(G, dtype=torch.float32)
     single = torch.stack([orthogonalize(g, dtype=torch.float32) for g in G])
     assert rel_err(batched, single) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(40, 100), (100, 40), (3, 36, 80)])
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_buffer_reuse_changes_no_value(dtype, shape, method, monkeypatch):
+    """Eager orthogonalize reuses its buffers (the fp32 result holds the normalized copy, Gram
+    restarts write into dead iterates, `overwrite=True` works in the input's own buffer); none of
+    it may change a value or touch a caller's tensor."""
+    G = _matrix(*shape[-2:], 100.0, 5, batch=shape[:-2], dtype=dtype)
+    keep = G.clone()
+    cfg = NSConfig(method=method)
+    out = orthogonalize_with(G, cfg)
+    assert torch.equal(G, keep), "the input is the caller's"
+    assert out.untyped_storage().data_ptr() != G.untyped_storage().data_ptr()
+    with monkeypatch.context() as m:  # the same ops with fresh tensors, as under torch.compile
+        m.setattr(orth_module, "_plain_eager", lambda: False)
+        assert torch.equal(orthogonalize_with(G, cfg), out)
+    again = orthogonalize_with(G, cfg)
+    assert torch.equal(again, out), "a reused buffer left nothing behind"
+    tmp = G.clone()
+    over = orthogonalize_with(tmp, cfg, overwrite=True)
+    assert torch.equal(over, out)
+    if dtype == torch.float32 and shape[-2] <= shape[-1]:  # wide, bf16 iterates: in place
+        assert over.data_ptr() == tmp.data_ptr()
 
 
 def test_steps_always_honoured():
