@@ -127,36 +127,56 @@ def _standard(X: Tensor, rows: Sequence[tuple[float, float, float]], impl: str) 
 
 
 def _gram(
-    X: Tensor, rows: Sequence[tuple[float, float, float]], restarts: Collection[int], impl: str
+    X: Tensor,
+    rows: Sequence[tuple[float, float, float]],
+    restarts: Collection[int],
+    impl: str,
+    scratch: Sequence[Tensor] = (),
 ) -> Tensor:
-    """Gram NS from the normalized X, which is consumed: in eager mode each restart writes the
-    new iterate into the buffer of the one before last (no fresh, page-faulting allocation)."""
+    """Gram NS from the normalized X, which is consumed. In plain eager mode each restart writes
+    the new iterate into an already-touched buffer instead of a fresh, page-faulting one: one of
+    `scratch` (tensors of X's shape and dtype that may hold intermediate iterates, never the
+    result) or a dead earlier iterate."""
     # Q = q·I + Qz; Qz None means Q = q·I (see dmuon::gram_ns_step for why the split).
     R = torch.ops.dmuon.syrk(X, impl=impl)
     Qz, q = None, 1.0
-    spare = None  # a dead iterate's buffer
+    free, dead = list(scratch), []  # buffers for intermediate iterates / for any iterate
     for i, (a, b, c) in enumerate(rows):
         if i in restarts:
-            X, spare = _apply_q(Qz, q, X, spare), X
+            dst = free.pop() if free else dead.pop() if dead else None
+            X, old = _apply_q(Qz, q, X, dst), X
+            in_scratch = any(old.data_ptr() == t.data_ptr() for t in scratch)
+            (free if in_scratch else dead).append(old)
             R = torch.ops.dmuon.syrk(X, impl=impl)
             Qz, q = None, 1.0
         last = i == len(rows) - 1 or (i + 1) in restarts
         Qz, R = torch.ops.dmuon.gram_ns_step(R, Qz, a, b, c, q, update_r=not last, impl=impl)
         q *= a
-    return _apply_q(Qz, q, X, spare)
+    return _apply_q(Qz, q, X, dead.pop() if dead else None)
+
+
+def _halves(buf: Tensor | None, X: Tensor) -> tuple[Tensor, ...]:
+    """Two tensors of X's shape and dtype in buf's storage, when buf (which holds nothing live
+    while the iterates run) is at least twice X's size: bf16 iterates in an fp32 buffer."""
+    if buf is None or 2 * X.element_size() > buf.element_size():
+        return ()
+    flat = buf.view(-1).view(X.dtype)
+    return flat[: X.numel()].view(X.shape), flat[X.numel() : 2 * X.numel()].view(X.shape)
 
 
 def _apply_q(Qz: Tensor | None, q: float, X: Tensor, out: Tensor | None = None) -> Tensor:
-    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation, written into
-    `out` (X's shape and dtype, not X) in plain eager mode."""
+    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation; written into
+    and returned as `out` (X's shape and dtype, not X) when given in plain eager mode."""
     if not _plain_eager():
         out = None
     if Qz is None:
         return torch.mul(X, q, out=out)
     flat = X.reshape(-1, *X.shape[-2:])
-    dst = None if out is None else out.view(flat.shape)
     Qz3 = Qz.reshape(-1, *Qz.shape[-2:])
-    return torch.baddbmm(flat, Qz3, flat, beta=q, out=dst).reshape(X.shape)
+    if out is None:
+        return torch.baddbmm(flat, Qz3, flat, beta=q).reshape(X.shape)
+    torch.baddbmm(flat, Qz3, flat, beta=q, out=out.view(flat.shape))
+    return out
 
 
 def orthogonalize(
@@ -223,7 +243,7 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
         )
     if method == "gram":
         restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts
-        X = _gram(X, rows, frozenset(restarts), impl)
+        X = _gram(X, rows, frozenset(restarts), impl, _halves(buf, X))
     else:
         X = _standard(X, rows, impl)
     if buf is not None and G.dtype == dt and X.dtype != dt:
