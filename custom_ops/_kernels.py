@@ -30,8 +30,8 @@ from .cute import quack_adapter
 ENV_VAR = "DMUON_NS_KERNEL"
 
 # Strips of the CPU triangle product, by measurement (examples/benchmarks/bench_syrk.py,
-# BENCHMARKS.md): below 512 rows, or below 1024 rows with a short inner dim, one full GEMM wins;
-# long inner dims (k >= 2n, SYRK of a wide X) amortize the mirror over more strips.
+# BENCHMARKS.md): below 512 rows one full GEMM wins; above, 2 strips up to 768 rows, 4 beyond,
+# and long inner dims (k >= 2n, SYRK of a wide X) amortize the mirror over more strips.
 _CPU_MIN_N = 512
 # Extra elements per row of the mirror's scratch strip (see _mirror_lower_).
 _SCRATCH_PAD = 16
@@ -41,9 +41,9 @@ def _cpu_blocks(n: int, k: int) -> int:
     if n < _CPU_MIN_N:
         return 1
     wide = k >= 2 * n
-    if n < 1024:
-        return 4 if wide else 1
-    return 8 if wide else 4
+    if n >= 1024:
+        return 8 if wide else 4
+    return 4 if wide or n >= 768 else 2
 
 
 def _as_batched(t: Tensor) -> Tensor:
