@@ -103,10 +103,11 @@ def _normalize(
     `out_dtype` (default: that fp32/fp64).
 
     max|G| in one aminmax pass (2-D; for a batch, amin and amax over the matrix dims: aminmax
-    over dims or abs().amax run ~3x slower on this CPU), the scaled copy written into `scratch` (a contiguous tensor of G's shape in fp32/fp64; G itself
-    is allowed) or a new tensor, the second division in place, then one cast. Large fresh
-    buffers are what cost here (each new page faults once: ~0.4 ms per MiB on this CPU), so the
-    caller hands in the buffer that later holds its result.
+    over dims or abs().amax run ~3x slower on this CPU), the scaled copy written into `scratch`
+    (a contiguous tensor of G's shape in fp32/fp64; G itself is allowed) or a new tensor, the
+    second division in place, then one cast. Large fresh buffers are what cost here (each new
+    page faults once: ~0.3 ms per MiB on this CPU), so the caller hands in the buffer that later
+    holds its result.
     """
     dt = torch.promote_types(G.dtype, torch.float32)
     dims = (-2, -1)
