@@ -223,6 +223,11 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
             f"orthogonalize needs a floating matrix or batch of matrices (..., m, n), "
             f"got {G.dtype} of shape {tuple(G.shape)}; reshape conv weights to 2-D first"
         )
+    if G.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "orthogonalize computes an optimizer update and is not differentiable: pass "
+            "G.detach(), or call it under torch.no_grad()"
+        )
     if G.numel() == 0:
         return torch.zeros_like(G)  # an empty batch or a 0-width matrix: nothing to orthogonalize
     impl = custom_ops.resolve_kernel(cfg.kernel, G.device).name

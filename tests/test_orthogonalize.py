@@ -272,6 +272,17 @@ def test_auto_picks_the_measured_method():
     assert ns_method((31, 1000)) == "standard" and ns_method((32, 1000)) == "gram"
 
 
+def test_requires_grad_input_needs_no_grad():
+    """Not differentiable: a clear error in grad mode; under no_grad (as in an optimizer step)
+    the same values as for the detached tensor."""
+    G = torch.randn(40, 100, requires_grad=True)
+    with pytest.raises(ValueError, match="not differentiable"):
+        orthogonalize(G)
+    with torch.no_grad():
+        out = orthogonalize(G)
+    assert not out.requires_grad and torch.equal(out, orthogonalize(G.detach()))
+
+
 def test_bad_input_raises():
     with pytest.raises(ValueError, match="floating matrix"):
         orthogonalize(torch.randn(5))

@@ -7,7 +7,7 @@ For 1024×1024 … 1024×8192 (aspect 1, 2, 4, 8) prints, measured side by side 
 - plain fp32 standard NS (Polar Express), as written in DESIGN.md;
 each with its error against the float64 polar factor of the same gradient, and the ratios
 torch step / dmuon orthogonalize (the issue's target at aspect 4: >= 1.5x) and torch step /
-dmuon step. Run: python examples/benchmarks/bench_ns.py [--reps 5]
+dmuon step. Run: python examples/benchmarks/bench_ns.py [--reps 7]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def plain_fp32_ns(G: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, default=1024)
     args = ap.parse_args()
     torch.manual_seed(0)
