@@ -4,8 +4,8 @@ Every kernel computes `alpha·A·B + beta·C` for a product that is known to be 
 (`B = Aᵀ` for SYRK, or two commuting symmetric matrices in the Gram iteration). Where it saves
 FLOPs by computing only the lower block-triangle, it mirrors the off-diagonal blocks, so those
 are exactly symmetric and each diagonal block is one GEMM's output, symmetric to rounding; where
-one full GEMM is faster (small or square operands), the result is that GEMM's, symmetric to
-rounding. C must be symmetric.
+one full GEMM is faster (small operands), the result is that GEMM's, symmetric to rounding. C must
+be symmetric.
 
 Kernels are plain data in `KERNELS`; which one runs is resolved per device by `resolve_kernel`:
 explicit name > `DMUON_NS_KERNEL` > the device's auto ladder (evaluated once per device). Nothing
