@@ -70,3 +70,18 @@ class SampleHandler:
 
     def reduce(self, grad: Tensor) -> None:
         self.grad += grad
+
+
+_SAMPLES: list[SampleHandler] = []  # kept here: the registry holds handlers weakly
+
+
+def sample_handlers() -> list[SampleHandler]:
+    """The contract test's handlers (fp32 and bf16, 2-D and 3-D), made once and shared by the
+    samples of dmuon::param_gather and dmuon::param_reduce."""
+    if not _SAMPLES:
+        g = torch.Generator().manual_seed(5)
+        _SAMPLES.extend(
+            SampleHandler(torch.randn(*s, generator=g, dtype=dt))
+            for s, dt in (((6, 4), torch.float32), ((3, 5, 2), torch.bfloat16))
+        )
+    return _SAMPLES

@@ -58,20 +58,12 @@ def _backward(ctx, grad):
 torch.library.register_autograd("dmuon::param_gather", _backward, setup_context=_setup_context)
 
 
-_SAMPLES: list[_handles.SampleHandler] = []  # the registry holds handlers weakly
-
-
 def _samples():
-    g = torch.Generator().manual_seed(5)
-    if not _SAMPLES:
-        _SAMPLES.extend(
-            _handles.SampleHandler(torch.randn(*s, generator=g, dtype=dt))
-            for s, dt in (((6, 4), torch.float32), ((3, 5, 2), torch.bfloat16))
-        )
-    for h in _SAMPLES:
+    handlers = _handles.sample_handlers()
+    for h in handlers:
         v = h.value
         yield (h.handle.detach().requires_grad_(), list(v.shape), v.dtype, v.device), {}
-    yield (_SAMPLES[0].handle, [6, 4], torch.float32, torch.device("cpu")), {}  # no autograd
+    yield (handlers[0].handle, [6, 4], torch.float32, torch.device("cpu")), {}  # no autograd
 
 
 register_op(OpSpec("dmuon::param_gather", torch.ops.dmuon.param_gather, _samples, True))
