@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _guard as guard
 from ._dedicate import _check_meshes
-from ._functional_z3 import Stage, _flat, staged_value_and_grad
+from ._functional_z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import Plan, partition
 from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field
@@ -190,32 +190,13 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
 
 def gather_all(params: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
     """Every parameter in full on every rank of its shard group, in one call (name order)."""
-    names = fn_plan.names
-    outs = torch.ops.dmuon.owner_broadcast(
-        [params[n] for n in names],
-        _flat(fn_plan.shapes),
-        [len(s) for s in fn_plan.shapes],
-        _flat(fn_plan.routes),
-        fn_plan.group,
-    )
-    return dict(zip(names, outs, strict=True))
+    return _gather(params, fn_plan.names, fn_plan)[0]
 
 
 def reduce_all(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
     """Full-shape gradients -> the data-parallel mean on each global owner, zeros shaped like
     the local slot elsewhere, in one call."""
-    names = fn_plan.names
-    local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
-    outs = torch.ops.dmuon.two_stage_reduce(
-        [grads[n] for n in names],
-        _flat(local),
-        [len(s) for s in local],
-        _flat(fn_plan.routes),
-        fn_plan.group,
-        fn_plan.rep_group,
-        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
-    )
-    return dict(zip(names, outs, strict=True))
+    return _reduce(grads, fn_plan.names, fn_plan)[0]
 
 
 def value_and_grad(

@@ -71,35 +71,45 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _gather(params, names, fn_plan, token, after):
-    """Stage parameters in full on every rank of the shard group, and the next token."""
+def _gather(params, names, fn_plan, token=None, after=None):
+    """Parameters `names` in full on every rank of the shard group, in one op; with a token, the
+    op also consumes it and returns the next one (None without)."""
     idx = [fn_plan.names.index(n) for n in names]
-    shapes = [fn_plan.shapes[i] for i in idx] + [(0,)]
-    *outs, token = torch.ops.dmuon.owner_broadcast(
-        [params[n] for n in names] + [token],
+    shapes = [fn_plan.shapes[i] for i in idx]
+    routes = [fn_plan.routes[i] for i in idx]
+    tokens = [] if token is None else [token]
+    if token is not None:
+        shapes, routes = [*shapes, (0,)], [*routes, _SELF]
+    outs = torch.ops.dmuon.owner_broadcast(
+        [params[n] for n in names] + tokens,
         _flat(shapes),
         [len(s) for s in shapes],
-        _flat([fn_plan.routes[i] for i in idx] + [_SELF]),
+        _flat(routes),
         fn_plan.group,
         after=after,
     )
-    return dict(zip(names, outs, strict=True)), token
+    return dict(zip(names, outs[: len(names)], strict=True)), (outs[-1] if tokens else None)
 
 
-def _reduce(grads, names, fn_plan, token):
-    """Stage gradients -> the data-parallel mean on each global owner (see reduce_all)."""
+def _reduce(grads, names, fn_plan, token=None):
+    """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
+    the local slot elsewhere, in one op; the token as in `_gather`."""
     idx = [fn_plan.names.index(n) for n in names]
-    local = [fn_plan.shapes[i] if fn_plan.routes[i][1] else (0,) for i in idx] + [(0,)]
-    *outs, token = torch.ops.dmuon.two_stage_reduce(
-        [grads[n] for n in names] + [token],
+    local = [fn_plan.shapes[i] if fn_plan.routes[i][1] else (0,) for i in idx]
+    routes = [fn_plan.routes[i] for i in idx]
+    tokens = [] if token is None else [token]
+    if token is not None:
+        local, routes = [*local, (0,)], [*routes, _SELF]
+    outs = torch.ops.dmuon.two_stage_reduce(
+        [grads[n] for n in names] + tokens,
         _flat(local),
         [len(s) for s in local],
-        _flat([fn_plan.routes[i] for i in idx] + [_SELF]),
+        _flat(routes),
         fn_plan.group,
         fn_plan.rep_group,
         1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
     )
-    return dict(zip(names, outs, strict=True)), token
+    return dict(zip(names, outs[: len(names)], strict=True)), (outs[-1] if tokens else None)
 
 
 def _vjp(fn: StageFn, full, x, batch):
