@@ -5,49 +5,106 @@ op it happened in), eager or compiled alike: inductor's buffers and the custom o
 through the same allocator. Two peaks over the call, both relative to its start:
 
 - gathered: bytes live in tensors allocated inside dmuon::owner_broadcast — the gathered
-  copies of parameters (the owner's own copy included; the token is 0 bytes);
+  copies of parameters (the owner's own copy included; the token is 0 bytes) and, under HSDP,
+  the update's publish over the replicate group: the rank's new local parameters, made after
+  the last gathered copy is gone;
 - total: every tensor allocated during the call (activations, gradients, temporaries).
 
 Add the rank's local parameters (allocated before the call) for its parameter memory.
+
+The profiler sees only the frees made on the profiled thread. gloo runs each collective on a
+worker thread that may still hold the tensor for a moment after `wait()` returns; if the program
+drops it first (a stage as short as an embedding lookup), the last reference goes, and the
+memory is freed, on that thread, unseen, and the copy would count as live until its address came
+back from the allocator. So during the call every synchronous `torch.distributed.broadcast` and
+`reduce` runs on a scratch copy (allocated in a "memory probe scratch" region and counted
+nowhere) that is copied back: gloo never holds a tensor of the program's, whose every free is
+then made, and recorded, on the calling thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
+import torch.distributed as dist
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 GATHER_OP = "dmuon::owner_broadcast"
+SCRATCH = "memory probe scratch"
 
 
 def _allocations(roots):
-    """(time, ptr, bytes, inside the gather op) for every allocation event (frees negative)."""
-    out, stack = [], [(r, False) for r in roots]
+    """(time, ptr, bytes, region) for every allocation event (frees negative); region is
+    SCRATCH, GATHER_OP or None, the innermost of the two the event happened in."""
+    out, stack = [], [(r, None) for r in roots]
     while stack:
-        node, inside = stack.pop()
-        inside = inside or node.name == GATHER_OP
+        node, region = stack.pop()
+        if node.name in (GATHER_OP, SCRATCH):
+            region = node.name
         if node.tag == _EventType.Allocation:
             f = node.extra_fields
-            out.append((node.start_time_ns, f.ptr, f.alloc_size, inside))
-        stack.extend((c, inside) for c in node.children)
+            out.append((node.start_time_ns, f.ptr, f.alloc_size, region))
+        stack.extend((c, region) for c in node.children)
     return sorted(out, key=lambda e: (e[0], e[2] > 0))  # at equal times, frees first
+
+
+def _through_scratch(collective: Callable) -> Callable:
+    def run(tensor, *args, async_op: bool = False, **kwargs):
+        if async_op:
+            return collective(tensor, *args, async_op=True, **kwargs)
+        with record_function(SCRATCH):
+            scratch = tensor.clone()
+            collective(scratch, *args, **kwargs)
+            tensor.copy_(scratch)
+        return None
+
+    return run
+
+
+@contextlib.contextmanager
+def _collectives_through_scratch() -> Iterator[None]:
+    saved = dist.broadcast, dist.reduce
+    dist.broadcast, dist.reduce = (_through_scratch(c) for c in saved)
+    try:
+        yield
+    finally:
+        dist.broadcast, dist.reduce = saved
 
 
 def peak_bytes(fn: Callable[[], object]) -> tuple[object, dict[str, int]]:
     """(fn(), {"gathered": peak bytes, "total": peak bytes}) over one call of fn."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        _collectives_through_scratch(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         result = fn()
+    live: dict[int, tuple[int, str | None]] = {}  # allocated during the call, by address
+    now = {"gathered": 0, "total": 0}
+    peak = dict(now)
+
+    def forget(ptr: int) -> None:
+        size, region = live.pop(ptr)
+        if region != SCRATCH:
+            now["total"] -= size
+        if region == GATHER_OP:
+            now["gathered"] -= size
+
     events = _allocations(prof.profiler.kineto_results.experimental_event_tree())
-    gathered_ptrs: dict[int, int] = {}
-    total = gathered = peak_total = peak_gathered = 0
-    for _, ptr, size, inside in events:
-        total += size
-        if size > 0 and inside:
-            gathered -= gathered_ptrs.pop(ptr, 0)  # the allocator reused it: that one was freed
-            gathered_ptrs[ptr] = size
-            gathered += size
-        elif size < 0 and ptr in gathered_ptrs:
-            gathered -= gathered_ptrs.pop(ptr)
-        peak_total, peak_gathered = max(peak_total, total), max(peak_gathered, gathered)
-    return result, {"gathered": peak_gathered, "total": peak_total}
+    for _, ptr, size, region in events:
+        if size > 0:
+            if ptr in live:  # handed out again: freed unseen (a scratch copy, on gloo's thread)
+                forget(ptr)
+            live[ptr] = (size, region)
+            if region != SCRATCH:
+                now["total"] += size
+            if region == GATHER_OP:
+                now["gathered"] += size
+        elif ptr in live:
+            forget(ptr)
+        else:  # a tensor from before the call
+            now["total"] += size
+        for k in peak:
+            peak[k] = max(peak[k], now[k])
+    return result, peak
