@@ -71,45 +71,47 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _entries(rows, names, fn_plan, token):
+    """One op's per-entry arguments over `names`, whose shapes are `rows`: (flattened shapes,
+    ndims, flattened routes, extra inputs); a token adds a 0-size entry on a size-1 route."""
+    routes = [fn_plan.route(n) for n in names]
+    extra = []
+    if token is not None:
+        rows, routes, extra = [*rows, (0,)], [*routes, _SELF], [token]
+    return _flat(rows), [len(s) for s in rows], _flat(routes), extra
+
+
+def _by_name(names, outs, token):
+    """(name -> the op's output, the next token: None without one)."""
+    return dict(zip(names, outs[: len(names)], strict=True)), (None if token is None else outs[-1])
+
+
 def _gather(params, names, fn_plan, token=None, after=None):
     """Parameters `names` in full on every rank of the shard group, in one op; with a token, the
     op also consumes it and returns the next one (None without)."""
-    idx = [fn_plan.names.index(n) for n in names]
-    shapes = [fn_plan.shapes[i] for i in idx]
-    routes = [fn_plan.routes[i] for i in idx]
-    tokens = [] if token is None else [token]
-    if token is not None:
-        shapes, routes = [*shapes, (0,)], [*routes, _SELF]
+    full = [fn_plan.shape(n) for n in names]
+    shapes, ndims, routes, extra = _entries(full, names, fn_plan, token)
     outs = torch.ops.dmuon.owner_broadcast(
-        [params[n] for n in names] + tokens,
-        _flat(shapes),
-        [len(s) for s in shapes],
-        _flat(routes),
-        fn_plan.group,
-        after=after,
+        [params[n] for n in names] + extra, shapes, ndims, routes, fn_plan.group, after=after
     )
-    return dict(zip(names, outs[: len(names)], strict=True)), (outs[-1] if tokens else None)
+    return _by_name(names, outs, token)
 
 
 def _reduce(grads, names, fn_plan, token=None):
     """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
     the local slot elsewhere, in one op; the token as in `_gather`."""
-    idx = [fn_plan.names.index(n) for n in names]
-    local = [fn_plan.shapes[i] if fn_plan.routes[i][1] else (0,) for i in idx]
-    routes = [fn_plan.routes[i] for i in idx]
-    tokens = [] if token is None else [token]
-    if token is not None:
-        local, routes = [*local, (0,)], [*routes, _SELF]
+    local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
+    shapes, ndims, routes, extra = _entries(local, names, fn_plan, token)
     outs = torch.ops.dmuon.two_stage_reduce(
-        [grads[n] for n in names] + tokens,
-        _flat(local),
-        [len(s) for s in local],
-        _flat(routes),
+        [grads[n] for n in names] + extra,
+        shapes,
+        ndims,
+        routes,
         fn_plan.group,
         fn_plan.rep_group,
         1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
     )
-    return dict(zip(names, outs[: len(names)], strict=True)), (outs[-1] if tokens else None)
+    return _by_name(names, outs, token)
 
 
 def _vjp(fn: StageFn, full, x, batch):
