@@ -80,31 +80,25 @@ def peak_bytes(fn: Callable[[], object]) -> tuple[object, dict[str, int]]:
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
         result = fn()
+    counts = {None: ("total",), GATHER_OP: ("total", "gathered"), SCRATCH: ()}  # by region
     live: dict[int, tuple[int, str | None]] = {}  # allocated during the call, by address
     now = {"gathered": 0, "total": 0}
     peak = dict(now)
 
-    def forget(ptr: int) -> None:
-        size, region = live.pop(ptr)
-        if region != SCRATCH:
-            now["total"] -= size
-        if region == GATHER_OP:
-            now["gathered"] -= size
+    def add(size: int, region: str | None) -> None:
+        for k in counts[region]:
+            now[k] += size
 
     events = _allocations(prof.profiler.kineto_results.experimental_event_tree())
     for _, ptr, size, region in events:
-        if size > 0:
-            if ptr in live:  # handed out again: freed unseen (a scratch copy, on gloo's thread)
-                forget(ptr)
-            live[ptr] = (size, region)
-            if region != SCRATCH:
-                now["total"] += size
-            if region == GATHER_OP:
-                now["gathered"] += size
-        elif ptr in live:
-            forget(ptr)
-        else:  # a tensor from before the call
+        if ptr in live:  # freed, or handed out again: freed unseen (a scratch copy, on gloo's)
+            old, old_region = live.pop(ptr)
+            add(-old, old_region)
+        elif size < 0:  # a tensor from before the call
             now["total"] += size
+        if size > 0:
+            live[ptr] = (size, region)
+            add(size, region)
         for k in peak:
             peak[k] = max(peak[k], now[k])
     return result, peak
