@@ -11,15 +11,33 @@ from . import param_gather as _param_gather  # noqa: F401
 from . import param_reduce as _param_reduce  # noqa: F401
 from . import syrk as _syrk  # noqa: F401
 from . import two_stage_reduce as _two_stage_reduce  # noqa: F401
-from ._kernels import KERNELS, describe, kernel_names, resolve_kernel
+from ._disk import cache_dir, locked
+from ._kernels import (
+    KERNELS,
+    MIN_STRIP_ROWS,
+    check_cpu_strips,
+    cpu_strips,
+    describe,
+    kernel_names,
+    resolve_kernel,
+    set_cpu_strips,
+    triangle_product,
+)
 from ._registry import OpSpec, register_op, registered_ops
 
 __all__ = [
     "KERNELS",
+    "MIN_STRIP_ROWS",
     "OpSpec",
+    "cache_dir",
+    "check_cpu_strips",
+    "cpu_strips",
     "describe",
     "kernel_names",
+    "locked",
     "register_op",
     "registered_ops",
     "resolve_kernel",
+    "set_cpu_strips",
+    "triangle_product",
 ]

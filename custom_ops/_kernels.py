@@ -29,21 +29,57 @@ from .cute import quack_adapter
 
 ENV_VAR = "DMUON_NS_KERNEL"
 
-# Strips of the CPU triangle product, by measurement (examples/benchmarks/bench_syrk.py,
-# BENCHMARKS.md): below 512 rows one full GEMM wins; above, 2 strips up to 768 rows, 4 beyond,
-# and long inner dims (k >= 2n, SYRK of a wide X) amortize the mirror over more strips.
-_CPU_MIN_N = 512
+# Row strips of the CPU triangle product: ((min_rows, strips), ...), min_rows ascending; a
+# product of n rows takes the strips of the last entry with min_rows <= n, and one GEMM below the
+# first. Whether strips beat one GEMM, and from what size, depends on the CPU's GEMM (measured:
+# 2 strips won from 256 rows on one AVX-512 machine, and lost there below 512 in fp32), so the
+# table is measured per machine by dmuon_fn's dispatch (dmuon_fn/_dispatch.py) and installed
+# with `set_cpu_strips`; until then every product is one GEMM, the plain `A @ B`.
+_CPU_STRIPS: tuple[tuple[int, int], ...] = ()
 # Extra elements per row of the mirror's scratch strip (see _mirror_lower_).
 _SCRATCH_PAD = 16
+# Strips get at least this many rows each: thinner GEMMs lose more to overhead than they save.
+MIN_STRIP_ROWS = 16
 
 
-def _cpu_blocks(n: int, k: int) -> int:
-    if n < _CPU_MIN_N:
-        return 1
-    wide = k >= 2 * n
-    if n >= 1024:
-        return 8 if wide else 4
-    return 4 if wide or n >= 768 else 2
+def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
+    """`table` as a strip table ((min_rows, strips), ...), or ValueError naming what is wrong."""
+    rows = []
+    for entry in table:
+        ok = isinstance(entry, tuple | list) and len(entry) == 2
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        if not (ok and entry[1] >= 1 and entry[0] >= entry[1] * MIN_STRIP_ROWS):
+            raise ValueError(
+                f"strip table entries are (min_rows, strips) ints with strips >= 1 and min_rows "
+                f">= {MIN_STRIP_ROWS}·strips, got {entry!r} in {table!r}"
+            )
+        rows.append((entry[0], entry[1]))
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(rows)):
+        raise ValueError(f"strip table min_rows must ascend strictly, got {table!r}")
+    return tuple(rows)
+
+
+def set_cpu_strips(table) -> None:
+    """Install the CPU strip table ((min_rows, strips), ...; see `_CPU_STRIPS`).
+
+    Process-wide (the kernel reads it when it runs, eager or compiled); every rank of a job must
+    install the same table (dmuon_fn agrees on it, see dmuon_fn/_dispatch.py).
+    """
+    global _CPU_STRIPS
+    _CPU_STRIPS = check_cpu_strips(table)
+
+
+def cpu_strips() -> tuple[tuple[int, int], ...]:
+    """The installed CPU strip table (empty: one GEMM everywhere)."""
+    return _CPU_STRIPS
+
+
+def _cpu_blocks(n: int) -> int:
+    blocks = 1
+    for min_rows, strips in _CPU_STRIPS:
+        if n >= min_rows:
+            blocks = strips
+    return blocks
 
 
 def _as_batched(t: Tensor) -> Tensor:
@@ -81,7 +117,7 @@ def _strip_bounds(n: int, blocks: int) -> list[int]:
     return [(i * n) // blocks for i in range(blocks + 1)]
 
 
-def _triangle_product(
+def triangle_product(
     A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
 ) -> Tensor:
     """alpha·A·B + beta·C: the lower block-triangle by row strips, the blocks left of each
@@ -90,7 +126,7 @@ def _triangle_product(
 
     Strip i computes rows [r0, r1) against columns [0, r1): blocks·(blocks+1)/2 of blocks² tiles,
     i.e. (blocks+1)/(2·blocks) of the full product's FLOPs, in `blocks` large GEMMs. Lower strips
-    ran 2-7% faster than upper ones (columns [r0, n)) on this CPU at 1024 rows.
+    ran 2-7% faster than upper ones (columns [r0, n)) on an AVX-512 CPU at 1024 rows.
     """
     lead = A.shape[:-2]
     n = A.shape[-2]
@@ -135,12 +171,12 @@ def _gemm(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, out
 
 
 def cpu_blocked(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-    return _triangle_product(A, B, C, alpha, beta, _cpu_blocks(A.shape[-2], A.shape[-1]))
+    return triangle_product(A, B, C, alpha, beta, _cpu_blocks(A.shape[-2]))
 
 
 def full_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """The whole product with one GEMM (no FLOP saving), symmetric to rounding."""
-    return _triangle_product(A, B, C, alpha, beta, 1)
+    return triangle_product(A, B, C, alpha, beta, 1)
 
 
 def _tensor_core(triangle: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -280,4 +316,8 @@ def _auto(device_type: str, index: int | None) -> str:
 def describe(kernel: Kernel, device: torch.device | str) -> str:
     device = torch.device(device)
     where = _cuda_arch(device) if device.type == "cuda" else device.type.upper()
-    return f"kernel={kernel.name} ({where}, {kernel.description})"
+    extra = ""
+    if kernel.sym_mm is cpu_blocked:
+        rule = ", ".join(f"{b} from {n} rows" for n, b in _CPU_STRIPS if b > 1)
+        extra = f": {rule}, else one GEMM" if rule else ": one GEMM at every size"
+    return f"kernel={kernel.name} ({where}, {kernel.description}{extra})"

@@ -1,13 +1,15 @@
-"""Which Newton-Schulz method and SYRK kernel actually run on a device."""
+"""Which Newton-Schulz method, SYRK kernel and iteration dtype actually run on a device."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 import custom_ops
 
-from ._cost import GRAM_MIN_ASPECT, GRAM_MIN_SHORT, ns_method
-from ._orthogonalize import default_iteration_dtype
+from ._cost import GRAM_MIN_SHORT, ns_method
+from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype
 
 
 def _default_device() -> torch.device:
@@ -25,7 +27,8 @@ def get_ns_backend(
     method: str = "auto",
     dtype: torch.dtype | None = None,
 ) -> str:
-    """One line naming the NS method, the SYRK kernel and the iteration dtype that will run.
+    """One line naming the NS method, the SYRK kernel and the iteration dtype that will run,
+    and why (dmuon_fn/_dispatch.py: what this machine measured or its flags decided).
 
     device: defaults to the current CUDA device, else the CPU. `kernel` resolves exactly as in
     `orthogonalize` (explicit > $DMUON_NS_KERNEL > auto), so the line names the kernel that runs;
@@ -34,12 +37,13 @@ def get_ns_backend(
     device = _default_device() if device is None else torch.device(device)
     resolved = custom_ops.resolve_kernel(kernel, device)
     ns_method((1, 1), method)  # validates
-    if method == "auto":
-        how = (
-            f"Gram NS (long/short >= {GRAM_MIN_ASPECT:g}, short >= {GRAM_MIN_SHORT}; "
-            "else standard NS)"
-        )
+    aspect = gram_min_aspect(device)  # resolves the dispatch, the CPU's strip table included
+    if method != "auto":
+        how = ("Gram NS" if method == "gram" else "Standard NS") + " (method=)"
+    elif math.isinf(aspect):
+        how = "Standard NS (Gram NS measured slower here at every aspect ratio)"
     else:
-        how = "Gram NS" if method == "gram" else "Standard NS"
-    it = dtype or default_iteration_dtype(device)
-    return f"{how} · {custom_ops.describe(resolved, device)} · iterate in {str(it)[6:]}"
+        how = f"Gram NS (long/short >= {aspect:g}, short >= {GRAM_MIN_SHORT}; else standard NS)"
+    it = dtype or iteration_dtype(device)
+    why = "dtype=" if dtype else dtype_reason(device)
+    return f"{how} · {custom_ops.describe(resolved, device)} · iterate in {str(it)[6:]} ({why})"

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-# Gram NS wins once long/short >= this (DESIGN.md: "cols/rows ≳ 1.5"; measured on this CPU in
-# examples/benchmarks/bench_ns.py, see BENCHMARKS.md).
+# Gram NS wins once long/short >= this with symmetric GPU kernels (the Gram Newton-Schulz
+# authors' measurement; DESIGN.md: "cols/rows ≳ 1.5"). A CPU's ratio is measured on the machine
+# (dmuon_fn/_dispatch.py); this is the default of the pure functions here and of `partition`.
 GRAM_MIN_ASPECT = 1.5
 # ... and once the short side has at least this many rows. Below it the bf16 Gram iteration can
 # diverge (seen at 2..12 rows, never at >= 16 in 1,100 random spectra; BENCHMARKS.md), and such
@@ -30,15 +31,18 @@ def default_restarts(steps: int) -> tuple[int, ...]:
     return tuple(range(2, steps, 2))
 
 
-def ns_method(shape: tuple[int, ...] | list[int], method: str = "auto") -> str:
-    """ "gram" or "standard" for a matrix of `shape` (trailing two dims; leading dims batch)."""
+def ns_method(
+    shape: tuple[int, ...] | list[int], method: str = "auto", min_aspect: float = GRAM_MIN_ASPECT
+) -> str:
+    """ "gram" or "standard" for a matrix of `shape` (trailing two dims; leading dims batch):
+    "auto" picks Gram from long/short >= `min_aspect` (inf: never) with a short side >= 32."""
     if method not in ("auto", "gram", "standard"):
         raise ValueError(f"method must be 'auto', 'gram' or 'standard', got {method!r}")
     if method != "auto":
         return method
     rows, cols = shape[-2], shape[-1]
     short, long = min(rows, cols), max(rows, cols)
-    return "gram" if long >= GRAM_MIN_ASPECT * short and short >= GRAM_MIN_SHORT else "standard"
+    return "gram" if long >= min_aspect * short and short >= GRAM_MIN_SHORT else "standard"
 
 
 def ns_flops(
@@ -48,11 +52,12 @@ def ns_flops(
     method: str = "auto",
     restarts: Collection[int] | None = None,
     sym_discount: float = 0.5,
+    min_aspect: float = GRAM_MIN_ASPECT,
 ) -> float:
     """Multiply-add FLOPs (2 per MAC) of orthogonalizing one matrix of `shape`.
 
     A symmetric product costs `sym_discount` of the full GEMM (0.5 for an ideal SYRK, 1.0 for a
-    kernel without symmetry). Leading dims multiply the count.
+    kernel without symmetry). Leading dims multiply the count; `min_aspect` as in `ns_method`.
     """
     rows, cols = shape[-2], shape[-1]
     batch = 1
@@ -62,7 +67,7 @@ def ns_flops(
     sym_nm = 2.0 * n * n * m * sym_discount  # X·Xᵀ
     sym_nn = 2.0 * n**3 * sym_discount  # product of two commuting symmetric n×n matrices
     full_nm = 2.0 * n * n * m  # (n×n)·(n×m)
-    if ns_method(shape, method) == "standard":
+    if ns_method(shape, method, min_aspect) == "standard":
         return batch * steps * (sym_nm + sym_nn + full_nm)
     rs = set(default_restarts(steps) if restarts is None else restarts)
     total = 0.0

@@ -34,6 +34,7 @@ from custom_ops._collectives import broadcast_into
 from custom_ops._handles import new_handle
 
 from . import _fsdp_adapter as fsdp
+from ._dispatch import agreed_aspect
 from ._gather import ParamHandler, install_hooks
 from ._guard import phase
 from ._partition import Plan, partition
@@ -242,7 +243,11 @@ def dedicate_params(
     names_in_order = [names[0] for names in seen.values()]
     shapes = {seen[pid][0]: tuple(params[pid].shape) for pid in seen}
     non_matrix = [n for n in names_in_order if len(shapes[n]) < 2]
-    plan = partition(shapes, G * R, replicate_size=R, elementwise=non_matrix)
+    device = _mesh_device(mesh, next(iter(params.values())).device)
+    aspect = agreed_aspect(device)  # every rank plans (and runs) rank 0's NS dispatch
+    plan = partition(
+        shapes, G * R, replicate_size=R, elementwise=non_matrix, gram_min_aspect=aspect
+    )
     check_plan_consistent(plan)
 
     st = DedicatedState(

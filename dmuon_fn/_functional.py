@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _guard as guard
 from ._dedicate import _check_meshes
+from ._dispatch import agreed_aspect, gram_min_aspect, setup_field
 from ._functional_z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import Plan, partition
@@ -135,8 +136,15 @@ def plan(
         rep_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
         rep_group = "" if replicate_mesh is None else replicate_mesh.get_group().group_name
     shapes = {n: tuple(p.shape) for n, p in named}
+    device = named[0][1].device
+    # a job plans (and runs) rank 0's NS dispatch on every rank
+    aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)
     part = partition(
-        shapes, G * R, replicate_size=R, elementwise=[n for n in shapes if n not in muon]
+        shapes,
+        G * R,
+        replicate_size=R,
+        elementwise=[n for n in shapes if n not in muon],
+        gram_min_aspect=aspect,
     )
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
@@ -182,7 +190,9 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
     device = next(iter(params.values())).device
     kernel, error = kernel_field(config.ns.kernel, device)
     if fn_plan.shard_size * fn_plan.replicate_size > 1:
-        check_setup_consistent({"NS kernel": kernel, "Config": repr(config)})
+        check_setup_consistent(
+            {"NS kernel": kernel, "NS dispatch": setup_field(device), "Config": repr(config)}
+        )
     if error is not None:
         raise error
     return State(params, opt, fn_plan, config)

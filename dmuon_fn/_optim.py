@@ -30,6 +30,7 @@ import torch.nn as nn
 from . import _fsdp_adapter as fsdp
 from . import _guard as guard
 from ._dedicate import DedicatedState, dedicated_state
+from ._dispatch import setup_field
 from ._orthogonalize import NSConfig
 from ._plan_check import check_setup_consistent, kernel_field
 from ._update import AdamWState, MuonState, adamw_update, muon_update
@@ -144,6 +145,7 @@ class Muon(torch.optim.Optimizer):
         check_setup_consistent(
             {
                 "NS kernel": kernel,
+                "NS dispatch": setup_field(device),
                 "NS config": repr(self.ns),
                 "optimizer": repr((adjust_lr, state_dtype, max_grad_norm, nonfinite)),
                 "param groups": repr([(g["kind"], len(g["params"])) for g in self.param_groups]),

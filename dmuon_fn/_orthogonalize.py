@@ -29,23 +29,21 @@ import custom_ops
 
 from ._coefficients import schedule
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
+from ._dispatch import gram_min_aspect, iteration_dtype
+from ._iteration import gram, halves, normalize, plain_eager, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-# Iteration dtype per device type, by measurement (BENCHMARKS.md, "Newton-Schulz"): on this CPU
-# a bf16 GEMM runs ~2.5x faster than fp32 and fp16 GEMMs are slow; bf16 iterates stay within
-# ~0.003 of fp32 iterates' error against the float64 polar factor. CUDA: bf16, as
-# torch.optim.Muon; fp16 (10-bit mantissa) is available through `dtype=`.
-_DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.bfloat16}
 
 
 def default_iteration_dtype(
     device: torch.device | str, input_dtype: torch.dtype | None = None
 ) -> torch.dtype:
-    """The device's iteration dtype; float64 input (a reference computation) stays float64."""
+    """The device's iteration dtype, chosen for the machine (dmuon_fn/_dispatch.py: bf16 where
+    its GEMMs are natively fast, else fp32 on a CPU; bf16 on sm_80+ GPUs); float64 input (a
+    reference computation) stays float64."""
     if input_dtype == torch.float64:
         return torch.float64
-    return _DEFAULT_DTYPE.get(torch.device(device).type, torch.float32)
+    return iteration_dtype(torch.device(device))
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,8 @@ class NSConfig:
 
     steps: number of quintic steps, always honoured.
     coefficients: "polar_express" | "you" | "keller" or explicit (a, b, c) rows.
-    method: "auto" (Gram when long/short >= 1.5) | "gram" | "standard".
+    method: "auto" (Gram from the long/short ratio the device's dispatch measured) | "gram" |
+        "standard".
     eps: added to the Frobenius norm before dividing.
     restarts: Gram restart steps (default: `default_restarts(steps)`).
     kernel: SYRK kernel name, None for $DMUON_NS_KERNEL or the device's auto choice.
@@ -87,101 +86,6 @@ class NSConfig:
                     f"restarts must be ints in [1, steps-1] = [1, {self.steps - 1}], "
                     f"got {self.restarts!r}"
                 )
-
-
-def _plain_eager() -> bool:
-    """Whether buffers may be reused through out= and in-place writes: not while torch.compile
-    traces (the compiler plans memory) nor under a torch.func transform (out= has no batching
-    rule, and a buffer made inside vmap is not batched like the inputs)."""
-    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
-
-
-def _normalize(
-    G: Tensor, eps: float, out_dtype: torch.dtype | None = None, scratch: Tensor | None = None
-) -> Tensor:
-    """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64), returned in
-    `out_dtype` (default: that fp32/fp64).
-
-    max|G| in one aminmax pass (2-D; for a batch, amin and amax over the matrix dims: aminmax
-    over dims or abs().amax run ~3x slower on this CPU), the scaled copy written into `scratch`
-    (a contiguous tensor of G's shape in fp32/fp64; G itself is allowed) or a new tensor, the
-    second division in place, then one cast. Large fresh buffers are what cost here (each new
-    page faults once: ~0.3 ms per MiB on this CPU), so the caller hands in the buffer that later
-    holds its result.
-    """
-    dt = torch.promote_types(G.dtype, torch.float32)
-    dims = (-2, -1)
-    if G.dim() == 2:  # one pass over G (aminmax over dims is the slow path)
-        lo, hi = torch.aminmax(G)
-        amax = torch.maximum(-lo, hi).reshape(1, 1)
-    else:
-        amax = torch.maximum(
-            -torch.amin(G, dim=dims, keepdim=True), torch.amax(G, dim=dims, keepdim=True)
-        )
-    X = torch.div(G, amax.to(dt).clamp_min(torch.finfo(dt).tiny), out=scratch)
-    X.div_(torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps)
-    if out_dtype is None or out_dtype == dt:
-        return X
-    return X.to(out_dtype, memory_format=torch.contiguous_format)
-
-
-def _standard(X: Tensor, rows: Sequence[tuple[float, float, float]], impl: str) -> Tensor:
-    for a, b, c in rows:
-        X = torch.ops.dmuon.ns_step(X, a, b, c, impl=impl)
-    return X
-
-
-def _gram(
-    X: Tensor,
-    rows: Sequence[tuple[float, float, float]],
-    restarts: Collection[int],
-    impl: str,
-    scratch: Sequence[Tensor] = (),
-) -> Tensor:
-    """Gram NS from the normalized X, which is consumed. In plain eager mode each restart writes
-    the new iterate into an already-touched buffer instead of a fresh, page-faulting one: one of
-    `scratch` (tensors of X's shape and dtype that may hold intermediate iterates, never the
-    result) or a dead earlier iterate."""
-    # Q = q·I + Qz; Qz None means Q = q·I (see dmuon::gram_ns_step for why the split).
-    R = torch.ops.dmuon.syrk(X, impl=impl)
-    Qz, q = None, 1.0
-    free, dead = list(scratch), []  # buffers for intermediate iterates / for any iterate
-    for i, (a, b, c) in enumerate(rows):
-        if i in restarts:
-            dst = free.pop() if free else dead.pop() if dead else None
-            X, old = _apply_q(Qz, q, X, dst), X
-            in_scratch = any(old.data_ptr() == t.data_ptr() for t in scratch)
-            (free if in_scratch else dead).append(old)
-            R = torch.ops.dmuon.syrk(X, impl=impl)
-            Qz, q = None, 1.0
-        last = i == len(rows) - 1 or (i + 1) in restarts
-        Qz, R = torch.ops.dmuon.gram_ns_step(R, Qz, a, b, c, q, update_r=not last, impl=impl)
-        q *= a
-    return _apply_q(Qz, q, X, dead.pop() if dead else None)
-
-
-def _halves(buf: Tensor | None, X: Tensor) -> tuple[Tensor, ...]:
-    """Two tensors of X's shape and dtype in buf's storage, when buf (which holds nothing live
-    while the iterates run) is at least twice X's size: bf16 iterates in an fp32 buffer."""
-    if buf is None or 2 * X.element_size() > buf.element_size():
-        return ()
-    flat = buf.view(-1).view(X.dtype)
-    return flat[: X.numel()].view(X.shape), flat[X.numel() : 2 * X.numel()].view(X.shape)
-
-
-def _apply_q(Qz: Tensor | None, q: float, X: Tensor, out: Tensor | None = None) -> Tensor:
-    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation; written into
-    and returned as `out` (X's shape and dtype, not X) when given in plain eager mode."""
-    if not _plain_eager():
-        out = None
-    if Qz is None:
-        return torch.mul(X, q, out=out)
-    flat = X.reshape(-1, *X.shape[-2:])
-    Qz3 = Qz.reshape(-1, *Qz.shape[-2:])
-    if out is None:
-        return torch.baddbmm(flat, Qz3, flat, beta=q).reshape(X.shape)
-    torch.baddbmm(flat, Qz3, flat, beta=q, out=out.view(flat.shape))
-    return out
 
 
 def orthogonalize(
@@ -231,6 +135,8 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     if G.numel() == 0:
         return torch.zeros_like(G)  # an empty batch or a 0-width matrix: nothing to orthogonalize
     impl = custom_ops.resolve_kernel(cfg.kernel, G.device).name
+    # resolves the device's dispatch (on a CPU: also the SYRK strip table) whatever cfg says
+    aspect = gram_min_aspect(G.device)
     rows = schedule(cfg.coefficients, cfg.steps)
     tall = G.shape[-2] > G.shape[-1]
     src = G.mT if tall else G  # iterate on the short side
@@ -240,11 +146,11 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     # are narrower than G, the result. Either way G is transposed before normalizing, into a
     # contiguous layout, so G and Gᵀ give bitwise-transposed results.
     buf = None
-    if _plain_eager():
+    if plain_eager():
         reuse = overwrite and not tall and G.dtype == dt and G.is_contiguous()
         buf = G if reuse else torch.empty(src.shape, dtype=dt, device=G.device)
-    X = _normalize(src if buf is not None else src.contiguous(), cfg.eps, it, scratch=buf)
-    method = ns_method(X.shape, cfg.method)
+    X = normalize(src if buf is not None else src.contiguous(), cfg.eps, it, scratch=buf)
+    method = ns_method(X.shape, cfg.method, aspect)
     if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
         raise ValueError(
             f"method='gram' in {X.dtype} needs a short side of at least {GRAM_MIN_SHORT} "
@@ -253,9 +159,9 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
         )
     if method == "gram":
         restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts
-        X = _gram(X, rows, frozenset(restarts), impl, _halves(buf, X))
+        X = gram(X, rows, frozenset(restarts), impl, halves(buf, X))
     else:
-        X = _standard(X, rows, impl)
+        X = standard(X, rows, impl)
     if buf is not None and G.dtype == dt and X.dtype != dt:
         X = buf.copy_(X)
     return (X.mT if tall else X).to(G.dtype)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from custom_ops._lpt import SPREAD_TOLERANCE, schedule
 
-from ._cost import ns_flops
+from ._cost import GRAM_MIN_ASPECT, ns_flops
 
 # Default FLOP-equivalents charged per byte of a parameter. The two-term fit
 # time ≈ α·FLOPs + β·bytes of `orthogonalize` on this CPU gives β/α ≈ 1300
@@ -84,6 +84,7 @@ def param_cost(
     sym_discount: float = 0.5,
     bytes_per_elem: int = 4,
     flops_per_byte: float = FLOPS_PER_BYTE,
+    gram_min_aspect: float = GRAM_MIN_ASPECT,
 ) -> float:
     """Cost (FLOPs) of owning one parameter of `shape`: the model in the module docstring."""
     numel = math.prod(shape)
@@ -92,7 +93,10 @@ def param_cost(
         return byte_term
     rows = shape[0]
     flat = (rows, numel // rows)
-    return ns_flops(flat, steps=steps, method=method, sym_discount=sym_discount) + byte_term
+    flops = ns_flops(
+        flat, steps=steps, method=method, sym_discount=sym_discount, min_aspect=gram_min_aspect
+    )
+    return flops + byte_term
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,7 @@ def partition(
     flops_per_byte: float = FLOPS_PER_BYTE,
     refine: bool = True,
     spread_tolerance: float = SPREAD_TOLERANCE,
+    gram_min_aspect: float = GRAM_MIN_ASPECT,
 ) -> Plan:
     """Assign every parameter exactly one owner slot, balancing the cost model above.
 
@@ -250,7 +255,9 @@ def partition(
     replicate_size: HSDP replicas R; each matrix is still orthogonalized once in the whole job.
     elementwise: names updated elementwise (AdamW) though they have >= 2 dims (embeddings,
         heads), costed by size.
-    steps, method, sym_discount: as `orthogonalize` will run (see `dmuon_fn._cost.ns_flops`).
+    steps, method, sym_discount, gram_min_aspect: as `orthogonalize` will run (see
+        `dmuon_fn._cost.ns_flops`; dedicate_params and plan pass the ratio the job's dispatch
+        measured, dmuon_fn/_dispatch.py).
     bytes_per_elem, flops_per_byte: the byte term (fp32 master: 4 bytes).
     refine: False gives plain LPT (the baseline); True adds refinement, layer spreading and
         byte balance (custom_ops/_lpt.py, steps 2-4).
@@ -276,6 +283,8 @@ def partition(
     for key, val in (("flops_per_byte", flops_per_byte), ("spread_tolerance", spread_tolerance)):
         if not 0 <= val < math.inf:
             raise ValueError(f"{key} must be finite and >= 0, got {val!r}")
+    if not gram_min_aspect >= 1.0:
+        raise ValueError(f"gram_min_aspect must be >= 1 (inf: never Gram), got {gram_min_aspect!r}")
     pairs = _pairs(named_shapes)
     names = [n for n, _ in pairs]
     unknown = sorted(set(elementwise) - set(names))
@@ -290,6 +299,7 @@ def partition(
         sym_discount=sym_discount,
         bytes_per_elem=bytes_per_elem,
         flops_per_byte=flops_per_byte,
+        gram_min_aspect=gram_min_aspect,
     )
     costs = [param_cost(sh, matrix=m, **cost_kw) for (_, sh), m in zip(pairs, matrix, strict=True)]
     nbytes = [math.prod(sh) * bytes_per_elem for _, sh in pairs]

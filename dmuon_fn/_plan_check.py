@@ -1,23 +1,25 @@
 """Cross-rank check that every rank computed the same partition plan.
 
 Ranks that disagree on an owner hang in the first broadcast or reduce (a rank waits for a
-sender that never sends), so the plans are compared once, before any parameter collective, with
-one `all_gather_object` of a small record: the plan digest, the sizes, and one int64 per
+sender that never sends), so the plans are compared once, before any parameter collective, by
+gathering a small record from every rank: the plan digest, the sizes, and one int64 per
 parameter (32 bits of the name's hash, 32 bits of the (name, shape, owner) hash). Every rank sees
 every record, so either all ranks return or all raise, naming the first differing parameter.
+
+Records travel as JSON in uint8 tensors (dmuon_fn/_exchange.py), never pickled.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from array import array
 
 import torch
 import torch.distributed as dist
 
 import custom_ops
 
+from ._exchange import all_gather_json
 from ._partition import Plan
 
 
@@ -38,16 +40,12 @@ def param_hashes(plan: Plan) -> list[int]:
     return out
 
 
-def _record(plan: Plan) -> tuple:
-    hashes = array("q", param_hashes(plan)).tobytes()
-    return plan.digest(), plan.world_size, plan.replicate_size, hashes
+def _record(plan: Plan) -> list:
+    return [plan.digest(), plan.world_size, plan.replicate_size, param_hashes(plan)]
 
 
-def _first_difference(a: bytes, b: bytes) -> tuple[int, bool]:
+def _first_difference(x: list[int], y: list[int]) -> tuple[int, bool]:
     """Index of the first differing parameter and whether the two ranks agree on its name."""
-    x, y = array("q"), array("q")
-    x.frombytes(a)
-    y.frombytes(b)
     for i, (u, v) in enumerate(zip(x, y, strict=False)):
         if u != v:
             return i, (u >> 32) == (v >> 32)
@@ -57,11 +55,10 @@ def _first_difference(a: bytes, b: bytes) -> tuple[int, bool]:
 def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) -> str:
     """Raise `PlanMismatchError` on every rank unless all ranks of `group` hold the same plan.
 
-    One collective (`all_gather_object` over `group`, default: the world; with NCCL the current
-    CUDA device must be set). Returns the common digest.
+    Two small all_gathers over `group` (default: the world; with NCCL the current CUDA device
+    must be set). Returns the common digest.
     """
-    records: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(records, _record(plan), group=group)
+    records = all_gather_json(_record(plan), group)
     ref = records[0]
     bad = next((r for r, rec in enumerate(records) if rec != ref), None)
     if bad is None:
@@ -90,15 +87,14 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
 
 def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | None = None) -> None:
     """Raise `PlanMismatchError` on every rank unless all ranks of `group` report the same
-    `fields` (e.g. the Newton-Schulz kernel each rank resolved): one `all_gather_object`.
+    `fields` (e.g. the Newton-Schulz kernel each rank resolved): two small all_gathers.
 
     A rank that runs another kernel or configuration would not hang, but its owners' updates
     would silently differ from the rest of the job; a different step structure would hang.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    records: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(records, dict(fields), group=group)
+    records = all_gather_json(dict(fields), group)
     for r, rec in enumerate(records):
         if rec == records[0]:
             continue

@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import custom_ops
 from dmuon_fn import get_ns_backend, orthogonalize
+from dmuon_fn._dispatch import cpu_dispatch
 
 
-def test_default_cpu_line(monkeypatch):
+def test_default_cpu_line_names_this_machines_choice(monkeypatch):
+    """What the dispatch decided here (tests/test_dispatch.py checks the decisions)."""
     monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
     line = get_ns_backend("cpu")
-    assert line.startswith("Gram NS (long/short >= 1.5, short >= 32; else standard NS)")
-    assert "kernel=cpu_syrk (CPU, blocked lower-triangle GEMM strips)" in line
-    assert line.endswith("iterate in bfloat16")
+    d = cpu_dispatch()
+    if math.isinf(d.gram_min_aspect):
+        assert line.startswith("Standard NS (Gram NS measured slower here")
+    else:
+        assert line.startswith(
+            f"Gram NS (long/short >= {d.gram_min_aspect:g}, short >= 32; else standard NS)"
+        )
+    assert "kernel=cpu_syrk (CPU, blocked lower-triangle GEMM strips: " in line
+    assert line.endswith(f"iterate in {str(d.dtype)[6:]} ({d.why})")
     assert "\n" not in line
 
 
 def test_explicit_method_kernel_and_dtype(monkeypatch):
     monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
     line = get_ns_backend("cpu", kernel="torch_mm", method="standard", dtype=torch.float32)
-    assert line.startswith("Standard NS · kernel=torch_mm (CPU,") and "float32" in line
+    assert line.startswith("Standard NS (method=) · kernel=torch_mm (CPU,")
+    assert line.endswith("iterate in float32 (dtype=)")
 
 
 def test_env_var_is_honoured_and_explicit_wins(monkeypatch):

@@ -1,4 +1,4 @@
-"""Sharded DCP checkpoints (object and functional API) on forked gloo ranks.
+"""Sharded DCP checkpoints (object and functional API) on gloo ranks.
 
 Loading moves values (and casts where the target dtype says so); it does no arithmetic, so every
 comparison here is exact (torch.equal with equal dtypes): the loaded full state against the saved
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # before the forks: fully_shard imports it, ~3 s in each rank
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon_fn as dmuon
+from dmuon_fn._dispatch import cpu_dispatch
 from tests._dist import run_ranks
 from tests._models import HP, TinyMLP, batch, is_proj, make, meshes, muon_fp32
 
@@ -215,21 +215,28 @@ def _state_dtypes(full, name):
     return all(v.dtype == want for v in state if torch.is_tensor(v))
 
 
+def _save_all_and_aspect(rank, world, hsdp, root):
+    """`_save_all`, and the Gram ratio the job planned with (its ranks' agreed NS dispatch)."""
+    return _save_all(rank, world, hsdp, root), cpu_dispatch().gram_min_aspect
+
+
 @pytest.fixture(scope="module")
 def ckpt4(tmp_path_factory):
+    """(root, per-rank results of `_save_all`, the Gram ratio the world-4 job planned with)."""
     root = tmp_path_factory.mktemp("w4")
-    return root, run_ranks(_save_all, 4, False, str(root))
+    results = run_ranks(_save_all_and_aspect, 4, False, str(root))
+    return root, [r for r, _ in results], results[0][1]
+
+
+def _load_and_save(rank, world, root4, root2):
+    return _load_all(rank, world, False, root4), _save_all(rank, world, False, root2)
 
 
 @pytest.fixture(scope="module")
 def ckpt2(tmp_path_factory, ckpt4):
     """World 2: load the world-4 checkpoints (4 → 2), then save its own."""
     root = tmp_path_factory.mktemp("w2")
-
-    def both(rank, world, root4, root2):
-        return _load_all(rank, world, False, root4), _save_all(rank, world, False, root2)
-
-    return root, run_ranks(both, 2, str(ckpt4[0]), str(root))
+    return root, run_ranks(_load_and_save, 2, str(ckpt4[0]), str(root))
 
 
 @pytest.mark.slow
@@ -282,11 +289,13 @@ def test_reshard_1d_to_hsdp_and_hsdp_resume(ckpt4, tmp_path):
             _equal(resumed, after, f"{name}: HSDP resumed")
 
 
-def _global_owners(name, pure, world):
-    """{name: global rank} of the dedicated parameters: the plan is a pure function of shapes."""
+def _global_owners(name, pure, world, aspect):
+    """{name: global rank} of the dedicated parameters: the plan is a pure function of shapes
+    (and of the Gram ratio of the job's NS dispatch, which its cost model charges)."""
     named = dict(make(name).named_parameters())
     mine = {n: tuple(p.shape) for n, p in named.items() if pure or is_proj(n, p)}
-    plan = dmuon.partition(mine, world, elementwise=[n for n, s in mine.items() if len(s) < 2])
+    ew = [n for n, s in mine.items() if len(s) < 2]
+    plan = dmuon.partition(mine, world, elementwise=ew, gram_min_aspect=aspect)
     return {n: plan.owner(n) for n in mine}
 
 
@@ -297,7 +306,7 @@ def test_every_value_is_written_once_by_its_holder(ckpt4):
     by DCP), so no rank wrote a value it does not own."""
     cases = {n: (s[0], s[3]) for n, s in OBJ.items()} | {n: (s[0], True) for n, s in FN.items()}
     for name, (spec, pure) in cases.items():
-        owners = _global_owners(spec, pure, 4)
+        owners = _global_owners(spec, pure, 4, ckpt4[2])
         md = dcp.FileSystemReader(str(Path(ckpt4[0], name))).read_metadata()
         files = {}
         for idx, item in md.storage_data.items():

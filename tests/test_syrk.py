@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops._kernels import _CPU_MIN_N, _cpu_blocks, _strip_bounds
+from custom_ops._kernels import _cpu_blocks, _strip_bounds
 from tests._tolerance import PRODUCT, rel_err
 
 CPU_KERNELS = ["cpu_syrk", "torch_mm"]
@@ -19,6 +19,18 @@ COEF = st.one_of(st.just(0.0), st.floats(0.01, 3.0), st.floats(-3.0, -0.01))
 def _ref(A, C, alpha, beta):
     out = alpha * (A.double() @ A.double().mT)
     return out if C is None else out + beta * C.double()
+
+
+# A strip table for the strip-path tests, whatever this machine measured (dmuon_fn/_dispatch.py).
+STRIPS = ((256, 2), (768, 4))
+
+
+@pytest.fixture
+def strips():
+    before = custom_ops.cpu_strips()
+    custom_ops.set_cpu_strips(STRIPS)
+    yield STRIPS
+    custom_ops.set_cpu_strips(before)
 
 
 def _sym(*shape, generator):
@@ -53,20 +65,21 @@ def test_syrk_matches_float64(n, k, batch, alpha, beta, with_c, dtype, impl, see
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(_CPU_MIN_N, 96), (1031, 64), (700, 1500)])
-def test_blocked_strips_match_float64(n, k, dtype):
+@pytest.mark.parametrize(("n", "k", "blocks"), [(512, 96, 2), (1031, 64, 4), (700, 1500, 2)])
+def test_blocked_strips_match_float64(n, k, blocks, dtype, strips):
     """Sizes where cpu_syrk actually splits into strips, incl. n not a multiple of a block."""
+    assert _cpu_blocks(n) == blocks
     g = torch.Generator().manual_seed(n + k)
     A = torch.randn(2, n, k, generator=g).to(dtype)
     C = _sym(2, n, n, generator=g).to(dtype)
     out = torch.ops.dmuon.syrk(A, C, 0.5, -2.0, impl="cpu_syrk")
-    _assert_strip_symmetry(out, _cpu_blocks(n, k), dtype)
+    _assert_strip_symmetry(out, blocks, dtype)
     assert rel_err(out, _ref(A, C, 0.5, -2.0)) < PRODUCT[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1024, 1031])
-def test_blocked_product_of_commuting_matrices(n, dtype):
+def test_blocked_product_of_commuting_matrices(n, dtype, strips):
     """The Gram step's products: B = R·R + R commutes with A = R, so A·B is symmetric, but B is
     a row-major matrix, not A.mT (each strip's diagonal block then differs from its transpose
     by rounding)."""
@@ -75,8 +88,8 @@ def test_blocked_product_of_commuting_matrices(n, dtype):
     R = X @ X.mT
     B = R @ R + R
     out = custom_ops.KERNELS["cpu_syrk"].sym_mm(R.to(dtype), B.to(dtype), R.to(dtype), 2.0, -0.5)
-    assert _cpu_blocks(n, n) > 1, "the strip path is what this test is for"
-    _assert_strip_symmetry(out, _cpu_blocks(n, n), dtype)
+    assert _cpu_blocks(n) == 4, "the strip path is what this test is for"
+    _assert_strip_symmetry(out, 4, dtype)
     ref = 2.0 * R.to(dtype).double() @ B.to(dtype).double() - 0.5 * R.to(dtype).double()
     assert rel_err(out, ref) < PRODUCT[dtype]
 
@@ -90,6 +103,22 @@ def _assert_strip_symmetry(out, blocks, dtype):
     assert torch.equal(out[..., off], out.mT[..., off]), "mirrored blocks: exactly symmetric"
     asym = (out.double() - out.double().mT).norm() / out.double().norm()
     assert asym <= PRODUCT[dtype]
+
+
+def test_strip_table_rule_and_validation(strips):
+    """The last entry whose min_rows <= n decides; below the first, one GEMM."""
+    assert [_cpu_blocks(n) for n in (1, 255, 256, 767, 768, 10**6)] == [1, 1, 2, 2, 4, 4]
+    assert custom_ops.cpu_strips() == STRIPS
+    assert "2 from 256 rows, 4 from 768 rows, else one GEMM" in custom_ops.describe(
+        custom_ops.KERNELS["cpu_syrk"], "cpu"
+    )
+    for bad in (((256, 0),), ((16, 2),), ((512, 2), (256, 4)), ((256.5, 2),), ((256, 2, 1),)):
+        with pytest.raises(ValueError, match="strip table"):
+            custom_ops.set_cpu_strips(bad)
+    assert custom_ops.cpu_strips() == STRIPS, "a rejected table leaves the installed one"
+    custom_ops.set_cpu_strips(())
+    assert _cpu_blocks(4096) == 1
+    assert "one GEMM at every size" in custom_ops.describe(custom_ops.KERNELS["cpu_syrk"], "cpu")
 
 
 def test_syrk_gradients_float64():

@@ -17,8 +17,6 @@ says so and the kernel compiled in memory runs; DMUON_CUTE_DISK_CACHE=0 turns it
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import os
@@ -26,13 +24,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from .._disk import cache_dir, locked
+
 
 def cache_root() -> Path:
-    base = os.environ.get("DMUON_CACHE_DIR")
-    if base:
-        return Path(base) / "cute"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "dmuon_fn" / "cute"
+    return cache_dir() / "cute"
 
 
 def variant_key(dtype: str, q_k_major: bool, has_c: bool, cfg) -> str:
@@ -46,17 +42,6 @@ def variant_key(dtype: str, q_k_major: bool, has_c: bool, cfg) -> str:
     h.update(f"cutlass-dsl={cutlass.__version__}".encode())
     h.update(repr((dtype, q_k_major, has_c, cfg)).encode())
     return h.hexdigest()[:24]
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _load(obj: Path, prefix: str):
@@ -82,7 +67,7 @@ def get_kernel(arch: str, dtype: str, q_k_major: bool, has_c: bool):
     prefix = "dmuon_syrk_" + variant_key(dtype, q_k_major, has_c, cfg)
     obj = cache_root() / arch / f"{prefix}.o"
     try:
-        with _locked(obj.with_suffix(".lock")):
+        with locked(obj.with_suffix(".lock")):
             if obj.exists():
                 try:
                     return _load(obj, prefix)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import socket
 import time
 from collections.abc import Callable
@@ -12,11 +11,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dmuon_fn._dispatch import cpu_flags, cpu_model
 
-def interleaved_median(fns: dict[str, Callable[[], object]], reps: int = 7) -> dict[str, float]:
+
+def interleaved_median(
+    fns: dict[str, Callable[[], object]], reps: int = 7, warmup: bool = True
+) -> dict[str, float]:
     """Median seconds per call, the candidates run round-robin so drift hits all alike."""
-    for fn in fns.values():
-        fn()  # warm-up
+    for fn in fns.values() if warmup else ():
+        fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -27,8 +30,13 @@ def interleaved_median(fns: dict[str, Callable[[], object]], reps: int = 7) -> d
 
 
 def machine() -> str:
+    """The CPU by name and ISA (model, ATen capability, bf16 flags, any oneDNN ISA cap), threads,
+    torch, date: numbers hold for that CPU only."""
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "bf16"})
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}; flags {' '.join(flags)}"
+        f"{f'; ONEDNN_MAX_CPU_ISA={cap}' if cap else ''}), {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     )
 
@@ -40,8 +48,8 @@ def polar_error(out: torch.Tensor, G: torch.Tensor) -> float:
     return ((out.double() - P).norm() / P.norm()).item()
 
 
-def _forked(rank: int, world: int, port: int, q, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)  # forked children otherwise hang in OpenMP
+def _rank_main(rank: int, world: int, port: int, q, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # W ranks share the machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -52,11 +60,21 @@ def _forked(rank: int, world: int, port: int, q, fn: Callable, args: tuple) -> N
         dist.destroy_process_group()
 
 
-def run_forked(fn: Callable, world: int, *args) -> object:
-    """Run fn(rank, world, *args) on `world` forked gloo ranks; return rank 0's result."""
+def run_ranks(fn: Callable, world: int, *args) -> object:
+    """Run fn(rank, world, *args) on `world` gloo ranks; return rank 0's result.
+
+    Ranks start from a fork server, a fresh interpreter that imports torch and nothing runs in:
+    a plain fork of this process, once it has compiled or run torch's thread pools, can leave a
+    rank waiting for ever on a worker thread the fork did not copy. `fn` must be a module-level
+    function of the script (pickled by reference).
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    q = mp.get_context("fork").SimpleQueue()
-    mp.start_processes(_forked, args=(world, port, q, fn, args), nprocs=world, start_method="fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "dmuon_fn"])
+    q = ctx.SimpleQueue()
+    mp.start_processes(
+        _rank_main, args=(world, port, q, fn, args), nprocs=world, start_method="forkserver"
+    )
     return q.get()

@@ -1,4 +1,4 @@
-"""Eager vs torch.compile(fullgraph=True) functional training step, Z2 vs Z3, on W forked CPU ranks.
+"""Eager vs torch.compile(fullgraph=True) functional training step, Z2 vs Z3, on W CPU ranks.
 
 examples/model.py's TinyGPT, every parameter dedicated (Muon on matrices, AdamW on the rest).
 Z2: value_and_grad(loss_fn) gathers every parameter for the whole step. Z3: value_and_grad over
@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _timing import machine, run_forked
+from _timing import machine, run_ranks
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
-    res = {m: run_forked(_rank, args.world, m, args) for m in MODES}
+    res = {m: run_ranks(_rank, args.world, m, args) for m in MODES}
     model = TinyGPT(d=args.d, n_layers=args.layers)
     n_params = sum(p.numel() for p in model.parameters())
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}

@@ -1,4 +1,4 @@
-"""The object API eager vs each transformer block under torch.compile, on W forked CPU ranks.
+"""The object API eager vs each transformer block under torch.compile, on W CPU ranks.
 
 examples/model.py's TinyGPT: dedicate_params on the blocks' projection matrices, each block
 wrapped in torch.compile(fullgraph=True) (inductor) and then fully_shard (torchtitan's order),
@@ -24,7 +24,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from _timing import machine, run_forked
+from _timing import machine, run_ranks
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -102,7 +102,7 @@ def main() -> None:
     torch.compiler.config.force_disable_caches = True  # measure a cold compile
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     res = {
-        (z3, d): run_forked(_rank, args.world, z3, d, args)
+        (z3, d): run_ranks(_rank, args.world, z3, d, args)
         for d in (True, False)
         for z3 in (True, False)
     }

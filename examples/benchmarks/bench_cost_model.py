@@ -18,9 +18,11 @@ import math
 import time
 
 import torch
+from _timing import machine
 
 import dmuon_fn
 from dmuon_fn._cost import ns_flops, ns_method
+from dmuon_fn._dispatch import gram_min_aspect
 from dmuon_fn._partition import FLOPS_PER_BYTE, param_cost
 
 SHAPES = [
@@ -60,14 +62,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, backend {dmuon_fn.get_ns_backend()}")
+    print(f"# {machine()}; backend {dmuon_fn.get_ns_backend()}")
+    aspect = gram_min_aspect(torch.device("cpu"))  # the ratio orthogonalize(G) runs Gram from
     print("| shape | method | GFLOP | MB fp32 | time ms | ns/FLOP |")
     print("|---|---|---|---|---|---|")
     rows = []
     for shape, t in zip(SHAPES, _times(SHAPES, args.repeats), strict=True):
-        flops, nbytes = ns_flops(shape), 4 * shape[0] * shape[1]
-        rows.append((shape, flops, nbytes, param_cost(shape, matrix=True), t))
-        print(f"| {shape[0]}×{shape[1]} | {ns_method(shape)} | {flops / 1e9:.2f} | "
+        flops, nbytes = ns_flops(shape, min_aspect=aspect), 4 * shape[0] * shape[1]
+        cost = param_cost(shape, matrix=True, gram_min_aspect=aspect)
+        rows.append((shape, flops, nbytes, cost, t))
+        method = ns_method(shape, min_aspect=aspect)
+        print(f"| {shape[0]}×{shape[1]} | {method} | {flops / 1e9:.2f} | "
               f"{nbytes / 1e6:.2f} | {t * 1e3:.2f} | {t / flops * 1e9:.3f} |")  # fmt: skip
     logt = [math.log(r[4]) for r in rows]
     r_full = _pearson([math.log(r[3]) for r in rows], logt)

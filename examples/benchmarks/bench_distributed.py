@@ -1,4 +1,4 @@
-"""FSDP2 + AdamW vs naive FSDP2 + Muon vs dmuon_fn, on W forked CPU ranks (gloo).
+"""FSDP2 + AdamW vs naive FSDP2 + Muon vs dmuon_fn, on W CPU ranks (gloo).
 
 (a) fully_shard everything, torch.optim.AdamW;
 (b) fully_shard everything, Muon done naively: every rank all-gathers each matrix's Nesterov
@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _timing import machine, run_forked
+from _timing import machine, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
-    r = run_forked(_rank, args.world, args)
+    r = run_ranks(_rank, args.world, args)
     W = args.world
     print(
         f"# distributed step, W={W} CPU ranks (gloo, 1 thread each), TinyMLP d={args.d} "

@@ -80,11 +80,11 @@ def main() -> None:
 def _small_gram(G: torch.Tensor, sched: tuple[int, ...]) -> torch.Tensor:
     """bf16 Gram NS below GRAM_MIN_SHORT, which `orthogonalize` refuses: same ops, run directly."""
     from dmuon_fn._coefficients import schedule
-    from dmuon_fn._orthogonalize import _gram, _normalize
+    from dmuon_fn._iteration import gram, normalize
 
     tall = G.shape[0] > G.shape[1]
-    X = _normalize(G.T.contiguous() if tall else G, 1e-7).bfloat16()
-    out = _gram(X, schedule("polar_express", 5), frozenset(sched), "cpu_syrk")
+    X = normalize(G.T.contiguous() if tall else G, 1e-7).bfloat16()
+    out = gram(X, schedule("polar_express", 5), frozenset(sched), "cpu_syrk")
     return out.T if tall else out
 
 

@@ -1,8 +1,9 @@
 """dmuon::syrk's CPU kernel (blocked lower-triangle strips) vs one full GEMM `A @ A.mT`.
 
 Prints, per dtype and shape (n rows, k inner), both times and the ratio, measured side by side,
-and the strip count the kernel chose; the choice rule in custom_ops/_kernels.py (`_cpu_blocks`)
-comes from this table. Run: python examples/benchmarks/bench_syrk.py [--reps 7]
+and the strip count the kernel chose from the strip table this machine's dispatch measured
+(dmuon_fn/_dispatch.py; the rule in custom_ops/_kernels.py, `_cpu_blocks`).
+Run: python examples/benchmarks/bench_syrk.py [--reps 7]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import torch
 from _timing import interleaved_median, machine
 
+import dmuon_fn
 from custom_ops._kernels import _cpu_blocks
 
 SHAPES = [
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     print(f"# syrk, {machine()}")
+    print(f"# {dmuon_fn.get_ns_backend('cpu')}")  # installs this machine's strip table
     print("| dtype | n×k | strips | A@A.mT ms | dmuon::syrk ms | speedup |")
     print("|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
@@ -41,7 +44,7 @@ def main() -> None:
                 reps=args.reps,
             )
             print(
-                f"| {str(dtype)[6:]} | {n}×{k} | {_cpu_blocks(n, k)} | {t['mm'] * 1e3:.2f} "
+                f"| {str(dtype)[6:]} | {n}×{k} | {_cpu_blocks(n)} | {t['mm'] * 1e3:.2f} "
                 f"| {t['syrk'] * 1e3:.2f} | {t['mm'] / t['syrk']:.2f}x |",
                 flush=True,
             )

@@ -1,0 +1,35 @@
+"""The project's on-disk cache: where it lives, and a lock for filling one entry at a time.
+
+Root: `$DMUON_CACHE_DIR` when set, else `$XDG_CACHE_HOME/dmuon_fn` (XDG_CACHE_HOME defaults to
+~/.cache). Users: compiled CuTe kernels (`cute/`, custom_ops/cute/_cache.py) and the measured
+CPU dispatch (`dispatch/`, dmuon_fn/_dispatch.py). Every entry can be deleted at any time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DMUON_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "dmuon_fn"
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created with its parents): processes that fill the same
+    entry take turns, and the later ones find it filled."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
