@@ -1,4 +1,4 @@
-"""dedicate_params + fully_shard + Muon on forked gloo ranks against a single-process reference.
+"""dedicate_params + fully_shard + Muon on gloo ranks against a single-process reference.
 
 Tolerance: the distributed run sums gradients in another order than single-process autograd
 (rank-local sums, then gloo's reduction), so results match to fp32 rounding, ~1e-7 relative per

@@ -1,8 +1,9 @@
 """A rank dies mid-run: the others fail fast with an error instead of hanging, and a restart of
 every rank from the last checkpoint finishes the run bit-exactly.
 
-Real processes: W forked ranks with a gloo group whose timeout is TIMEOUT s, training the Quick
-Start model (dedicate_params + fully_shard + Muon) and checkpointing every EVERY steps. Rank
+Real processes: W ranks (started from the suite's fork server, tests/_dist.py) with a gloo group
+whose timeout is TIMEOUT s, training the Quick Start model (dedicate_params + fully_shard + Muon)
+and checkpointing every EVERY steps. Rank
 VICTIM SIGKILLs itself in step DIE_AT, after its forward (the others are then in backward's
 collectives). `run_ranks` expects every rank to report, so this file has its own launcher.
 The final checkpoints of the resumed and of an uninterrupted run are compared key by key
@@ -21,15 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # before the forks: fully_shard imports it, ~3 s in each rank
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
-from tests._dist import _free_port
+from tests._dist import free_port, rank_context
 from tests._models import batch, is_proj, make, muon_fp32
 
 W, STEPS, EVERY, DIE_AT, VICTIM = 3, 6, 2, 5, 1
@@ -66,7 +65,7 @@ def _train(rank: int, world: int, root: Path, out: Path, die: bool, resume: bool
 
 
 def _worker(rank: int, world: int, port: int, root: str, out: str, die: bool, resume: bool):
-    torch.set_num_threads(1)  # forked children otherwise hang in OpenMP
+    torch.set_num_threads(1)  # W ranks share the machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
     try:
@@ -83,8 +82,8 @@ def _worker(rank: int, world: int, port: int, root: str, out: str, die: bool, re
 def _launch(root: Path, out: Path, *, die: bool, resume: bool, deadline: float = 120.0):
     """Run W ranks to completion (or death); {rank: (record or None, exit code)}."""
     out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("fork")
-    port = _free_port()
+    ctx = rank_context()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, W, port, str(root), str(out), die, resume))
         for r in range(W)

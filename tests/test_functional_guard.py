@@ -122,7 +122,7 @@ def test_nonfinite_gradient_skips_the_compiled_step_everywhere(world, hsdp):
 
 def _mismatch(rank, world):
     if rank == 1:
-        os.environ["DMUON_NS_KERNEL"] = "torch_mm"  # this forked rank only
+        os.environ["DMUON_NS_KERNEL"] = "torch_mm"  # this rank only
     mesh, _ = meshes(world, False)
     model = make("mlp")
     try:

@@ -274,7 +274,7 @@ def _mismatch(rank, world, how):
     fully_shard(model, mesh=mesh)
     kw = {}
     if how == "kernel" and rank == 1:
-        os.environ["DMUON_NS_KERNEL"] = "torch_mm"  # this forked rank only
+        os.environ["DMUON_NS_KERNEL"] = "torch_mm"  # this rank only
     if how == "config" and rank == 1:
         kw = {"ns_steps": 6}
     if how == "unavailable" and rank == 1:

@@ -1,0 +1,87 @@
+"""The library needs torch alone (`pip install torch==2.13.0 -e .`): no numpy at run time.
+
+Two real ranks (plain subprocesses, as torchrun starts them) in which `import numpy` fails before
+torch is imported, so torch runs without numpy exactly as in a fresh venv without it. They run
+every setup collective (the dispatch agreement, the plan and setup checks, the HSDP-free object
+API and the functional API) and one training step of each face. torch's pickle-based
+`all_gather_object` fails there ("Numpy is not available"), which shows the environment is the
+one that broke the main command.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._dist import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_RANK = """
+import sys
+sys.modules["numpy"] = None  # `import numpy` raises ImportError from here on
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon_fn
+from tests._models import batch, is_proj, make
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+try:
+    dist.all_gather_object([None, None], rank)
+    print("all_gather_object: ok")
+except RuntimeError as e:
+    print(f"all_gather_object: {e}")
+mesh = init_device_mesh("cpu", (2,))
+model = make("mlp")
+dmuon_fn.dedicate_params(model, mesh, is_proj)
+fully_shard(model, mesh=mesh)
+opt = dmuon_fn.Muon(model, lr=0.01)
+model(batch("mlp", 0, rank)).backward()
+opt.step()
+
+fn_model = make("mlp")
+plan = dmuon_fn.plan(fn_model, mesh)
+state = dmuon_fn.init(fn_model, plan)
+loss_fn = lambda p, x: torch.func.functional_call(fn_model, p, (x,))
+loss, grads = dmuon_fn.value_and_grad(loss_fn, plan)(state.params, batch("mlp", 0, rank))
+state = dmuon_fn.update(grads, state, lr=torch.tensor(0.01))
+print(f"trained: {float(loss):.4f}", dmuon_fn.get_ns_backend("cpu"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_library_runs_without_numpy(tmp_path):
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert "all_gather_object: Numpy is not available" in out, out
+        assert "trained: " in out, out
