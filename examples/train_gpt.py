@@ -21,17 +21,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from _launch import finish, init
-from _png import Series, plot
 from data.grammar import corpus
 from model import TinyGPT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from tqdm import tqdm
 
 import dmuon_fn as dmuon
 
 VOCAB = 96  # "\n" -> 0, printable ASCII " ".."~" -> 1..95
-MUON, ADAMW = (214, 39, 40), (31, 119, 180)
-DARK = {MUON: (120, 10, 10), ADAMW: (10, 50, 110)}
+COLORS = {"Muon": ("#d62728", "#780a0a"), "AdamW": ("#1f77b4", "#0a326e")}  # (train, val)
 
 SWEEP = (
     "Learning rates, swept at the default flags (final val loss): AdamW 1e-3: 1.787, 2e-3: 1.210, "
@@ -73,30 +72,19 @@ def schedule(args):
     return factor
 
 
-class Progress:
-    """A one-line bar redrawn with "\\r" on a terminal; a line every 10% otherwise (logs, CI)."""
-
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.total, self.label, self.enabled = total, label, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.next_pct = 10
-
-    def update(self, step: int, loss: float, tok_s: float) -> None:
-        if not self.enabled:
-            return
-        done = step + 1
-        pct = 100 * done // self.total
-        bar = "#" * (20 * done // self.total)
-        line = (
-            f"{self.label:6s} [{bar:20s}] {pct:3d}%  step {done:4d}/{self.total}"
-            f"  loss {loss:.3f}  {tok_s / 1000:6.1f}k tok/s"
-        )
-        if self.tty:
-            sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
-        elif pct >= self.next_pct or done == self.total:
-            sys.stderr.write(line + "\n")
-            self.next_pct = pct // 10 * 10 + 10
-        sys.stderr.flush()
+def progress(total: int, label: str, enabled: bool) -> tqdm:
+    """A progress bar on stderr (rank 0 only): redrawn in place on a terminal, a line about
+    every 10 s in a log (CI), and always the final state."""
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        desc=f"{label:6s}",
+        disable=not enabled,
+        file=sys.stderr,
+        ascii=not tty,
+        mininterval=0.1 if tty else 10.0,
+        unit="step",
+    )
 
 
 @dataclass
@@ -149,7 +137,7 @@ def train(args, run: Run, data, val_rows, device, mesh, rank, world) -> None:
     model, opt = build(args, device, mesh, muon=run.name == "Muon")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args))
     eval_every = max(1, args.steps // args.evals)
-    bar = Progress(args.steps, run.name, rank == 0)
+    bar = progress(args.steps, run.name, rank == 0)
     losses = []
     t_start = time.perf_counter()
     run.val.append((0, evaluate(model, val_rows, world)))
@@ -164,9 +152,12 @@ def train(args, run: Run, data, val_rows, device, mesh, rank, world) -> None:
         losses.append(loss.detach().float())
         run.train_s += time.perf_counter() - t0
         tok_s = (step + 1) * args.batch * args.seq / run.train_s
-        bar.update(step, losses[-1].item(), tok_s)
+        if rank == 0:
+            bar.set_postfix(loss=f"{losses[-1].item():.3f}", tok_s=f"{tok_s / 1000:.1f}k")
+        bar.update(1)
         if (step + 1) % eval_every == 0 or step + 1 == args.steps:
             run.val.append((step + 1, evaluate(model, val_rows, world)))
+    bar.close()
     mean = torch.stack(losses).to(device)
     dist.all_reduce(mean)  # one collective for the whole curve, not one per step
     run.train = (mean / world).tolist()
@@ -233,6 +224,26 @@ def summarize(args, runs: list[Run], world: int) -> str:
     return header + "\n" + "\n".join(rows) + "\n\n" + "\n".join(lines) + "\n"
 
 
+def plot(runs: list[Run], args, world: int, path: str) -> None:
+    """Train (per step) and validation (per evaluation) loss of both runs, 800×500 pixels."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for r in runs:
+        train, val = COLORS[r.name]
+        ax.plot(range(1, args.steps + 1), r.train, color=train, lw=1, label=f"{r.name} train")
+        xs, ys = zip(*r.val, strict=True)
+        ax.plot(xs, ys, "o-", color=val, ms=4, label=f"{r.name} val")
+    ax.set(title=f"TinyGPT, {world} ranks: Muon vs AdamW", xlabel="step", ylabel="loss (nats/char)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -289,20 +300,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpt_summary.md"), "w") as f:
             f.write(table)
-        series = []
-        for r, color in zip(runs, (MUON, ADAMW), strict=True):
-            series.append(Series(f"{r.name} train", range(1, args.steps + 1), r.train, color))
-        for r, color in zip(runs, (MUON, ADAMW), strict=True):
-            xs, ys = zip(*r.val, strict=True)
-            series.append(Series(f"{r.name} val", xs, ys, DARK[color], points=True))
-        fig = plot(
-            series,
-            title=f"TinyGPT, {world} ranks: Muon vs AdamW",
-            xlabel="step",
-            ylabel="loss (nats/char)",
-        )
-        with open(os.path.join(args.out, "gpt_loss.png"), "wb") as f:
-            f.write(fig.png())
+        plot(runs, args, world, os.path.join(args.out, "gpt_loss.png"))
         print(table, flush=True)
     finish()
 

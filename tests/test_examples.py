@@ -1,19 +1,18 @@
 """The Quick Start's scripts run as written (with `import dmuon_fn as dmuon`) under torchrun on
 CPU ranks with gloo: ModuleDict layers through fully_shard, 1-D FSDP2 and (2, 1) HSDP meshes.
-The main job, train_gpt.py, writes its figure and table; its PNG writer round-trips."""
+The main job, train_gpt.py, shows its progress and writes its figure and table."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -43,75 +42,20 @@ def test_quick_start_script_trains(script):
     assert losses[-1] < losses[0]
 
 
-def _png_rows(data: bytes) -> tuple[int, int, list[bytes]]:
-    """Decode an 8-bit RGB, non-interlaced PNG whose rows all use filter 0 (as _png writes):
-    check the signature and every chunk's CRC, return (width, height, rows of RGB bytes)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + n
-    assert list(chunks)[-1] == b"IEND"
-    w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, color, interlace) == (8, 2, 0)
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == h * (1 + 3 * w)
-    rows = [raw[y * (1 + 3 * w) : (y + 1) * (1 + 3 * w)] for y in range(h)]
-    assert all(r[0] == 0 for r in rows)
-    return w, h, [r[1:] for r in rows]
-
-
-def _pixel(rows: list[bytes], x: int, y: int) -> tuple[int, ...]:
-    return tuple(rows[y][3 * x : 3 * x + 3])
-
-
-def test_png_canvas_round_trips():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from _png import Canvas, Series, nice_ticks, plot
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    cv = Canvas(37, 23)
-    cv.line(2, 3, 30, 3, (255, 0, 0))  # horizontal
-    cv.line(5, 5, 15, 20, (0, 0, 255), width=3)  # steep, thick
-    cv.text(20, 8, "7", (0, 128, 0), scale=1)
-    w, h, rows = _png_rows(cv.png())
-    assert (w, h) == (37, 23)
-    assert [_pixel(rows, x, 3) for x in (2, 16, 30)] == [(255, 0, 0)] * 3
-    assert _pixel(rows, 1, 3) == _pixel(rows, 31, 3) == (255, 255, 255)
-    assert _pixel(rows, 5, 5) == _pixel(rows, 15, 20) == (0, 0, 255)
-    assert _pixel(rows, 20, 8) == (0, 128, 0)  # the top row of a 7 is full: 1F
-    assert _pixel(rows, 20, 9) == (255, 255, 255)
-    # every pixel the canvas holds is the one decoded
-    assert b"".join(rows) == bytes(cv.pixels)
-
-    assert nice_ticks(1.13, 4.61) == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert nice_ticks(0.95, 2.3) == [0.5, 1.0, 1.5, 2.0, 2.5]
-    assert nice_ticks(0, 300) == [0, 50, 100, 150, 200, 250, 300]
-    fig = plot(
-        [Series("a", [0, 1, 2], [3.0, 2.0, 1.0], (200, 0, 0))],
-        title="t",
-        xlabel="x",
-        ylabel="y",
-        width=300,
-        height=200,
-    )
-    w, h, rows = _png_rows(fig.png())
-    assert (w, h) == (300, 200)
-    assert sum(r.count(bytes((200, 0, 0))) for r in rows) > 100  # the curve and its legend key
-
-
 @pytest.mark.slow
 def test_train_gpt_writes_figure_and_table(tmp_path):
     proc = _torchrun("train_gpt.py", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "100%  step   20/20" in proc.stderr  # the progress lines, written without a TTY
-    w, h, _ = _png_rows((tmp_path / "gpt_loss.png").read_bytes())
-    assert (w, h) == (800, 500)
+    # the progress bar's last state, written without a TTY
+    assert re.search(r"Muon .*100%.* 20/20", proc.stderr), proc.stderr[-2000:]
+    assert re.search(r"AdamW .*100%.* 20/20", proc.stderr), proc.stderr[-2000:]
+    from matplotlib.image import imread
+
+    img = torch.from_numpy(imread(tmp_path / "gpt_loss.png"))  # rows × columns × RGBA in [0, 1]
+    assert tuple(img.shape) == (500, 800, 4)
+    for color in ((0xD6, 0x27, 0x28), (0x1F, 0x77, 0xB4)):  # Muon's and AdamW's train curves
+        near = (img[..., :3] * 255 - torch.tensor(color)).abs().amax(-1) < 40
+        assert int(near.sum()) > 300, color
     table = (tmp_path / "gpt_summary.md").read_text()
     assert table in proc.stdout
     # | optimizer | lr | steps | tokens | train loss | val loss | wall s | ms/step |
