@@ -153,7 +153,8 @@ def train(args, run: Run, data, val_rows, device, mesh, rank, world) -> None:
         run.train_s += time.perf_counter() - t0
         tok_s = (step + 1) * args.batch * args.seq / run.train_s
         if rank == 0:
-            bar.set_postfix(loss=f"{losses[-1].item():.3f}", tok_s=f"{tok_s / 1000:.1f}k")
+            postfix = {"loss": f"{losses[-1].item():.3f}", "tok_s": f"{tok_s / 1000:.1f}k"}
+            bar.set_postfix(postfix, refresh=False)  # drawn at the bar's own pace
         bar.update(1)
         if (step + 1) % eval_every == 0 or step + 1 == args.steps:
             run.val.append((step + 1, evaluate(model, val_rows, world)))
