@@ -1,7 +1,8 @@
 """Handles: tensors that name a Python object to dmuon::param_gather / dmuon::param_reduce.
 
 dmuon_fn's object API gathers each dedicated parameter from its owner before the module that
-uses it runs, and sums its gradient back onto the owner in backward. Who owns the parameter,
+uses it runs (dmuon::gather_start issues a block's gathers ahead), and sums its gradient back
+onto the owner in backward. Who owns the parameter,
 its groups and its pending HSDP publish are per-parameter Python state; inside a compiled
 block they must not be graph constants (every block would compile its own graph, and each rank
 another) nor graph inputs shaped by ownership (full on the owner, 0-size elsewhere). So the ops
@@ -27,6 +28,10 @@ from torch import Tensor
 
 
 class Handler(Protocol):
+    def start(self) -> None:
+        """Issue the gathers of the handler's unit (dmuon::gather_start), returning at once."""
+        ...
+
     def gather(self) -> Tensor:
         """The parameter's full value on this rank (a collective on every rank of its group)."""
         ...
@@ -62,8 +67,11 @@ class SampleHandler:
     into `grad`."""
 
     def __init__(self, value: Tensor) -> None:
-        self.value, self.grad = value, torch.zeros_like(value)
+        self.value, self.grad, self.started = value, torch.zeros_like(value), 0
         self.handle = new_handle(self)
+
+    def start(self) -> None:
+        self.started += 1
 
     def gather(self) -> Tensor:
         return self.value.clone()

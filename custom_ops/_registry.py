@@ -23,12 +23,15 @@ class OpSpec:
     samples: returns fresh (args, kwargs) pairs covering the op's cases (dtypes, batching,
         optional arguments). Called anew for every check so no check sees another's tensors.
     differentiable: whether an autograd formula is registered (else the op file says why not).
+    ticket: the op returns a ticket (custom_ops._tickets): its results are what redeeming it
+        gives, and each call's ticket value is new.
     """
 
     name: str
     op: Callable[..., Any]
     samples: Callable[[], Iterable[Sample]]
     differentiable: bool
+    ticket: bool = False
 
 
 _REGISTRY: dict[str, OpSpec] = {}

@@ -4,8 +4,8 @@ from . import _fsdp_adapter
 from ._backend import get_ns_backend
 from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
 from ._coefficients import PRESETS
-from ._comm import CommCounter
-from ._dedicate import dedicate_params
+from ._comm import CommCounter, CommTimer
+from ._dedicate import dedicate_params, set_requires_gradient_sync, wait_gradients
 from ._functional import (
     Config,
     FnPlan,
@@ -38,6 +38,7 @@ __all__ = [
     "AdamWState",
     "CollectiveError",
     "CommCounter",
+    "CommTimer",
     "Config",
     "FnPlan",
     "Muon",
@@ -63,6 +64,8 @@ __all__ = [
     "plan",
     "save_checkpoint",
     "save_state",
+    "set_requires_gradient_sync",
     "update",
     "value_and_grad",
+    "wait_gradients",
 ]

@@ -32,9 +32,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ._dedicate import DedicatedState, dedicated_state
 from ._functional import State
 from ._optim import Muon
+from ._state import DedicatedState, dedicated_state
 
 PathLike = str | os.PathLike
 

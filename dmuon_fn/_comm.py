@@ -1,4 +1,4 @@
-"""A counter of every collective a rank issues.
+"""A counter of every collective a rank issues, and a timer of the communication it waits for.
 
 `CommCounter` is a TorchDispatchMode: it sees the c10d ops behind `torch.distributed` calls
 (ours, FSDP2's, anyone's) and the functional collectives, and books, per phase, how many ran
@@ -11,6 +11,7 @@ reduce-scatter (W−1)/W of the full tensor, all-reduce 2(W−1)/W·N.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -124,3 +125,64 @@ class CommCounter(TorchDispatchMode):
             st.calls[name] += 1
             st.op_bytes[name] += factor * (w - 1) / w * payload if w > 1 else 0.0
         return func(*args, **kwargs)
+
+
+class CommTimer:
+    """Seconds the calling (training) thread spent blocked in dmuon_fn's gathers, reduces and
+    publishes, by phase: the communication that computation did not hide.
+
+    with dmuon.CommTimer() as t:
+        with t.phase("forward"):
+            loss = model(x)
+        ...
+    t.seconds["forward"]      # blocked seconds; t.waits["forward"]: how many waits
+
+    Counted where dmuon_fn waits for a collective (an asynchronous one it issued earlier, or a
+    synchronous one it runs), on every path: eager hooks, compiled blocks' ops, the step.
+    Nested timers each count.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.waits: dict[str, int] = defaultdict(int)
+        self._phase = "other"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        prev, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = prev
+
+    def total(self, *phases: str) -> float:
+        return sum(self.seconds[p] for p in (phases or tuple(self.seconds)))
+
+    def __enter__(self) -> CommTimer:
+        _TIMERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _TIMERS.remove(self)
+
+    def _add(self, seconds: float) -> None:
+        self.seconds[self._phase] += seconds
+        self.waits[self._phase] += 1
+
+
+_TIMERS: list[CommTimer] = []
+
+
+@contextlib.contextmanager
+def blocked() -> Iterator[None]:
+    """Time the enclosed wait for every active `CommTimer`."""
+    if not _TIMERS:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        dt = time.perf_counter() - t0
+        for timer in _TIMERS:
+            timer._add(dt)

@@ -1,13 +1,14 @@
 """dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
 
-Who holds what (G ranks in the shard group, R replicas under HSDP):
-- the *local owner* of a parameter is shard rank `owner_shard` in every replica; it holds the
-  full parameter between steps. The *global owner*, (owner_shard, owner_replica), holds it in
-  fp32 (the master, when the model is lower precision), its optimizer state, and is the only
-  rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
-- forward: right before a module that uses the parameter runs, the local owner broadcasts it
-  (in the model dtype, or `param_dtype`) to its shard group; the module computes with that
-  gathered copy. Every collective failure names its phase (`_guard.CollectiveError`).
+Who holds what is in dmuon_fn/_entries.py; how parameters move (grouped per layer and owner,
+prefetched in the recorded module order, gradients reduced asynchronously) in
+dmuon_fn/_schedule.py; the hooks that take and give back the values, eager and compiled, in
+dmuon_fn/_gather.py.
+
+- forward: right before a module that uses the parameter runs, its full value (broadcast by its
+  local owner to the shard group, in the model dtype or `param_dtype`) is set on the module;
+  the module computes with that gathered copy. Every collective failure names its phase
+  (`_guard.CollectiveError`).
 - backward: the autograd transpose of that broadcast, a sum onto the local owner (stage 1); under
   HSDP a second sum across the replicate group onto the global owner (stage 2); the global owner
   divides by G·R (the data-parallel average) into `param.grad`.
@@ -15,169 +16,30 @@ Who holds what (G ranks in the shard group, R replicas under HSDP):
   broadcast again when backward needs it. Z2 keeps it until backward has used it.
 - a block compiled with torch.compile traces these gathers and reduces into its graph, one
   graph for identical blocks on every rank (`_gather`).
-- after the optimizer step (HSDP), the global owner publishes the new value, in the model dtype,
-  to the local owners of the other replicas; with `replicate_async` the publish runs in the
-  background and is waited on right before the parameter's next gather.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from custom_ops._collectives import broadcast_into
-from custom_ops._handles import new_handle
 
 from . import _fsdp_adapter as fsdp
 from ._dispatch import agreed_aspect
-from ._gather import ParamHandler, install_hooks
+from ._entries import Entry, check_meshes
+from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
 from ._guard import phase
-from ._partition import Plan, partition
+from ._partition import layer_keys, partition
 from ._plan_check import check_plan_consistent
+from ._schedule import Scheduler, make_groups, make_units
+from ._state import STATE_ATTR, DedicatedState, dedicated_state
 
 Predicate = Callable[[str, nn.Parameter], bool]
-STATE_ATTR = "_dmuon_state"
-
-
-@dataclass(eq=False)
-class Entry:
-    """One dedicated parameter (tied names share one entry)."""
-
-    name: str
-    names: tuple[str, ...]
-    shape: torch.Size
-    dtype: torch.dtype  # compute and gather dtype (the model's, or param_dtype)
-    reduce_dtype: torch.dtype  # gradient reduction dtype
-    owner_shard: int
-    owner_replica: int
-    param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
-    publish: dist.Work | None = None
-    # names this entry to dmuon::param_gather/param_reduce (custom_ops._handles); requires grad
-    # as `param` does, and backward sets its .grad when it reaches the gather
-    handle: torch.Tensor | None = None
-    handler: ParamHandler | None = None
-    device: torch.device | None = None  # param's: compiled hooks read this, never `param`
-
-    @property
-    def is_matrix(self) -> bool:
-        return len(self.shape) >= 2
-
-    @property
-    def touched(self) -> bool:
-        """Backward reached this parameter's gather since the last step (the same on every rank
-        that took part)."""
-        return self.handle.grad is not None
-
-    def next_step(self) -> None:
-        """Forget this step's `touched`; follow `param.requires_grad` (set since by the user)."""
-        self.handle.grad = None
-        self.follow_requires_grad()
-
-    def follow_requires_grad(self) -> None:
-        """The handle requires grad as the parameter does: a compiled block reads the handle's
-        flag, never the parameter's."""
-        if self.handle.requires_grad != self.param.requires_grad:
-            self.handle.requires_grad_(self.param.requires_grad)
-
-
-@dataclass(eq=False)
-class DedicatedState:
-    """What `dedicate_params` attaches to the model (`model._dmuon_state`)."""
-
-    plan: Plan
-    entries: list[Entry]
-    shard_group: dist.ProcessGroup
-    replicate_group: dist.ProcessGroup | None
-    shard_rank: int
-    replica_rank: int
-    shard_size: int
-    replicate_size: int
-    reshard_after_forward: bool
-    by_param: dict[int, Entry] = field(default_factory=dict)
-
-    def is_local_owner(self, e: Entry) -> bool:
-        return self.shard_rank == e.owner_shard
-
-    def is_global_owner(self, e: Entry) -> bool:
-        return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica
-
-    def entry(self, p: torch.Tensor) -> Entry | None:
-        return self.by_param.get(id(p))
-
-    def owners(self) -> dict[str, int | tuple[int, int]]:
-        out: dict[str, int | tuple[int, int]] = {}
-        for e in self.entries:
-            for n in e.names:
-                out[n] = (
-                    e.owner_shard if self.replicate_size == 1 else (e.owner_shard, e.owner_replica)
-                )
-        return out
-
-    def wait_publish(self, e: Entry) -> None:
-        if e.publish is not None:
-            with phase(f"the HSDP publish of {e.name}"):
-                e.publish.wait()
-            e.publish = None
-
-    def publish(self, asynchronous: bool) -> None:
-        """Global owners send updated values to the other replicas (no-op on a 1-D mesh)."""
-        if self.replicate_group is None:
-            for e in self.entries:
-                e.next_step()
-            return
-        for e in self.entries:
-            touched = e.touched
-            e.next_step()
-            if not (self.is_local_owner(e) and touched):
-                continue
-            self.wait_publish(e)
-            p = e.param
-            # the parameter itself, except the global owner's fp32 master, sent as a cast copy
-            # (receivers hold the model dtype, so `to` is a no-op for them)
-            buf = p.detach().to(e.dtype)
-            src = dist.get_global_rank(self.replicate_group, e.owner_replica)
-            with phase(f"step (HSDP publish of {e.name})"):
-                work = dist.broadcast(buf, src=src, group=self.replicate_group, async_op=True)
-            e.publish = work
-            if not asynchronous:
-                self.wait_publish(e)
-
-
-def _check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(
-            f"mesh must be a 1-D DeviceMesh (for HSDP pass hsdp['shard'] and "
-            f"replicate_mesh=hsdp['replicate']), got {mesh!r}"
-        )
-    if replicate_mesh is None:
-        return
-    if not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1:
-        raise ValueError(f"replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
-    names = (mesh.mesh_dim_names, replicate_mesh.mesh_dim_names)
-    if names != (("shard",), ("replicate",)):
-        raise ValueError(
-            "HSDP needs a 2-D mesh named ('replicate', 'shard'): build it with "
-            "init_device_mesh(dev, (R, G), mesh_dim_names=('replicate', 'shard')) and pass "
-            f"mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']; got dim names {names}"
-        )
-    if mesh.size() * replicate_mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks) "
-            f"disagree with the world size {dist.get_world_size()}: they must be the 'shard' and "
-            "'replicate' dims of one 2-D mesh"
-        )
-    shard_ranks = set(mesh.mesh.flatten().tolist())
-    rep_ranks = set(replicate_mesh.mesh.flatten().tolist())
-    if shard_ranks & rep_ranks != {dist.get_rank()}:
-        raise ValueError(
-            "mesh and replicate_mesh disagree: they must be the 'shard' and 'replicate' dims of "
-            "the same 2-D mesh (their groups must cross in exactly this rank)"
-        )
+__all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state"]
 
 
 def dedicate_params(
@@ -190,6 +52,7 @@ def dedicate_params(
     pure: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    prefetch: int = 1,
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
@@ -200,6 +63,10 @@ def dedicate_params(
         gathered and computed with in this dtype (e.g. bf16) while the global owner keeps the
         master in the parameter's own dtype promoted to at least fp32. Default: the parameter's.
     reduce_dtype: dtype of the gradient sums (default: param_dtype's).
+    prefetch: how many layers' gathers travel ahead of the one computing (in the module order
+        of the last forward; Z3 backward: its re-gathers, in reverse). 0: every gather and
+        reduce runs when needed, blocking (nothing overlaps). Memory: up to prefetch + 1 layers'
+        gathered copies at a time (dmuon_fn/_schedule.py).
     Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP.
     """
     fsdp.require_installed()
@@ -212,7 +79,7 @@ def dedicate_params(
         )
     if predicate is None and not pure:
         raise ValueError("pass a predicate(name, param) -> bool, or pure=True to dedicate all")
-    _check_meshes(mesh, replicate_mesh)
+    check_meshes(mesh, replicate_mesh)
     for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise ValueError(f"{what} must be a floating torch.dtype or None, got {dt!r}")
@@ -252,7 +119,6 @@ def dedicate_params(
 
     st = DedicatedState(
         plan=plan,
-        entries=[],
         shard_group=mesh.get_group(),
         replicate_group=None if replicate_mesh is None else replicate_mesh.get_group(),
         shard_rank=mesh.get_local_rank(),
@@ -278,24 +144,53 @@ def dedicate_params(
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
         e.device = device
-        e.handler = ParamHandler(e, st)
-        e.handle = new_handle(e.handler).requires_grad_(e.param.requires_grad)
         new_params[pid] = e.param
         st.entries.append(e)
         st.by_param[id(e.param)] = e
 
-    slots: dict[nn.Module, list[tuple[str, Entry]]] = {}
+    uses: dict[nn.Module, list[tuple[str, Entry]]] = {}
+    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
             if p is not None and id(p) in new_params:
                 new = new_params[id(p)]
                 module._parameters[pname] = new
-                slots.setdefault(module, []).append((pname, st.by_param[id(new)]))
-    for module, s in slots.items():
-        install_hooks(module, s, st)
+                uses.setdefault(module, []).append((pname, st.by_param[id(new)]))
+    _install(model, st, uses, names, prefetch)
     _sync_replicas(st)
     setattr(model, STATE_ATTR, st)
     return st.owners()
+
+
+def _install(model, st, uses, names, prefetch) -> None:
+    """Units (one per layer, keyed as the planner keys layers, else per module: what is
+    gathered together), buckets (per module and owner: what is reduced together, as soon as
+    that module's gradients are in), slots and hooks, and the scheduler that moves them."""
+    path = {m: f"{names[m]}.{pname}".lstrip(".") for m, s in uses.items() for pname, _ in s[:1]}
+    keys = layer_keys(path.values())
+    unit_key = {m: keys[path[m]] for m in uses}
+    units = {
+        u.key: u for u in make_units([(unit_key[m], e) for m, s in uses.items() for _, e in s])
+    }
+    buckets = {m: make_groups([e for _, e in s]) for m, s in uses.items()}
+    bucket_of = {(m, id(e)): b for m, bs in buckets.items() for b in bs for e in b.entries}
+    all_buckets = [b for bs in buckets.values() for b in bs]
+    st.scheduler = Scheduler(st, list(units.values()), all_buckets, prefetch)
+    slots = {
+        m: [(n, Slot(e, units[unit_key[m]], bucket_of[m, id(e)], st)) for n, e in s]
+        for m, s in uses.items()
+    }
+    handles: dict[str, list[torch.Tensor]] = {}
+    for m, ss in slots.items():
+        handles.setdefault(unit_key[m], []).extend(slot.handle for _, slot in ss)
+    for m, ss in slots.items():
+        install_hooks(m, ss, units[unit_key[m]], handles[unit_key[m]], st)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, unit in units.items():
+        holder = modules.get(key)
+        if holder is not None and holder not in uses:  # a block around the parameters' modules
+            install_unit_hook(holder, unit, st)
+    install_root_hooks(model, st)
 
 
 def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
@@ -321,5 +216,30 @@ def _sync_replicas(st: DedicatedState) -> None:
                 e.param.detach().copy_(buf)
 
 
-def dedicated_state(model: nn.Module) -> DedicatedState | None:
-    return getattr(model, STATE_ATTR, None)
+def _state_of(model: nn.Module) -> DedicatedState:
+    st = dedicated_state(model)
+    if st is None:
+        raise ValueError("this model has no dedicated parameters: call dedicate_params first")
+    return st
+
+
+def wait_gradients(model: nn.Module) -> None:
+    """Block until every dedicated gradient reduce issued by backward has landed in the global
+    owners' `.grad`. Backward leaves them in flight (they overlap what follows); Muon's `step`,
+    `clip_grad_norm_`, `zero_grad`, the checkpoints and the model's next forward wait by
+    themselves, so only code that reads or zeroes `.grad` of dedicated parameters in between
+    (or `model.zero_grad()` instead of the optimizer's) needs this first."""
+    _state_of(model).scheduler.wait_reduces()
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Gradient accumulation without traffic, for dedicated parameters and FSDP2 alike.
+
+    False: backward sums each dedicated gradient on every rank (a full-shape buffer per
+    parameter on every rank, like FSDP2's unsharded gradients) and reduces nothing; True (the
+    default): the next backward reduces those sums together with its own gradients, so the
+    owners see exactly what reducing every micro-batch would have given. Calls FSDP2's
+    `set_requires_gradient_sync` on every `fully_shard`ed module of the model too.
+    """
+    _state_of(model).scheduler.set_sync(requires_gradient_sync)
+    fsdp.set_requires_gradient_sync(model, requires_gradient_sync)

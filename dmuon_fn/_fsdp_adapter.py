@@ -63,6 +63,13 @@ def counted_here(t: torch.Tensor) -> bool:
     return all(c == 0 for c, pl in zip(coord, t.placements, strict=True) if pl.is_replicate())
 
 
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """FSDP2's own switch, on every `fully_shard`ed module of `model`."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
+
 def is_fully_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()

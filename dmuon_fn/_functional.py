@@ -33,15 +33,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _guard as guard
-from ._dedicate import _check_meshes
 from ._dispatch import agreed_aspect, gram_min_aspect, setup_field
+from ._entries import check_meshes
+from ._fnplan import FnPlan
 from ._functional_z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 from ._orthogonalize import NSConfig
-from ._partition import Plan, partition
+from ._partition import partition
 from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field
 from ._update import AdamWState, MuonState, adamw_update, muon_update
-
-Route = tuple[int, int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -67,35 +66,6 @@ class Config:
                 f"Config.nonfinite must be 'skip' or 'ignore' (a compiled step cannot raise "
                 f"without a host sync), got {self.nonfinite!r}"
             )
-
-
-@dataclass(frozen=True)
-class FnPlan:
-    """Who owns what, for this rank: plain data, hashable, a compile-time constant."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    muon: frozenset[str]
-    trainable: frozenset[str]  # requires_grad at plan time; `update` leaves the rest as they are
-    routes: tuple[Route, ...]  # per name: (src, is_src, G, rep_src, is_rep_src, R)
-    group: str
-    rep_group: str
-    shard_size: int
-    replicate_size: int
-    partition: Plan
-
-    def route(self, name: str) -> Route:
-        return self.routes[self.names.index(name)]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[self.names.index(name)]
-
-    def is_local_owner(self, name: str) -> bool:
-        return bool(self.route(name)[1])
-
-    def is_global_owner(self, name: str) -> bool:
-        r = self.route(name)
-        return bool(r[1] and r[4])
 
 
 class State(NamedTuple):
@@ -130,7 +100,7 @@ def plan(
             raise ValueError("replicate_mesh needs a shard mesh too")
         G, R, shard_rank, rep_rank, group, rep_group = 1, 1, 0, 0, "", ""
     else:
-        _check_meshes(mesh, replicate_mesh)
+        check_meshes(mesh, replicate_mesh)
         G, shard_rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name
         R = 1 if replicate_mesh is None else replicate_mesh.size()
         rep_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
@@ -212,6 +182,8 @@ def reduce_all(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, tor
 def value_and_grad(
     loss_fn: Callable[[dict[str, torch.Tensor], Any], torch.Tensor] | Sequence[Stage],
     fn_plan: FnPlan,
+    *,
+    prefetch: int = 1,
 ) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """(params, batch) -> (this rank's loss, grads): loss_fn sees full parameters; each grad is
     the data-parallel mean on the parameter's global owner, zeros shaped like the slot elsewhere.
@@ -224,10 +196,12 @@ def value_and_grad(
     A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None for the first
     stage, the loss from the last), runs Z3: each stage's parameters are gathered for its
     forward, freed, and gathered again for its backward (dmuon_fn._functional_z3); the results
-    equal the Z2 form's to fp32 rounding.
+    equal the Z2 form's to fp32 rounding. prefetch=1 (default): each stage's gathers and
+    reduces are issued one stage ahead and overlap its neighbour's computation (two adjacent
+    stages' copies at a time); 0: issued when needed, blocking (one stage at a time).
     """
     if not callable(loss_fn):
-        return staged_value_and_grad(loss_fn, fn_plan)
+        return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
         full = gather_all(params, fn_plan)

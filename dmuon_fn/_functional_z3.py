@@ -20,18 +20,27 @@ route, so it never reaches torch.distributed) and makes the next — a strict da
 chain G0 … G(L-1) R(L-1) G(L-2) R(L-2) … G0 R0, the same on every rank. A gather also waits
 (`after`) for the activation it is needed for, so no scheduler can hoist it and hold two
 stages' copies at once.
+
+Overlap (prefetch=1, the default). Each gather and reduce is split into an asynchronous start
+(dmuon::owner_broadcast_start, dmuon::two_stage_reduce_start), which returns a ticket, and
+dmuon::collective_wait on that ticket. Stage i+1's gathers start before stage i computes and are
+waited for after it (`after` = stage i's output); in backward, stage i-1's re-gathers start
+before stage i is recomputed and differentiated, and stage i's reduce is waited for after stage
+i-1's starts. Every start takes the previous start's ticket, so the starts form one chain
+G0 G1 … G(L-1) G(L-2) R(L-1) G(L-3) R(L-2) … R0, the same on every rank, and every wait takes
+the previous wait's results (HSDP's second reduce stage runs in the wait). At any moment a rank
+holds its own parameters and two adjacent stages' gathered copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:
-    from ._functional import FnPlan
+from ._fnplan import FnPlan
 
 StageFn = Callable[[dict[str, torch.Tensor], Any, Any], Any]
 Stage = tuple[Sequence[str], StageFn]
@@ -122,11 +131,55 @@ def _vjp(fn: StageFn, full, x, batch):
     return torch.func.vjp(lambda f, a: fn(f, a, batch), full, x)
 
 
-def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan):
+def _start_gather(params, names, fn_plan, after):
+    """Stage `names`' gathers, issued: their ticket."""
+    full = [fn_plan.shape(n) for n in names]
+    shapes, ndims, routes, _ = _entries(full, names, fn_plan, None)
+    locals_ = [params[n] for n in names]
+    return torch.ops.dmuon.owner_broadcast_start(
+        locals_, shapes, ndims, routes, fn_plan.group, after=after
+    )
+
+
+def _start_reduce(grads, names, fn_plan, after):
+    """Stage `names`' gradient reduces, issued: their ticket."""
+    local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
+    shapes, ndims, routes, _ = _entries(local, names, fn_plan, None)
+    return torch.ops.dmuon.two_stage_reduce_start(
+        [grads[n] for n in names],
+        shapes,
+        ndims,
+        routes,
+        fn_plan.group,
+        fn_plan.rep_group,
+        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
+        after=after,
+    )
+
+
+def _wait(ticket, like, rows, names, after):
+    """The results behind `ticket` by name; `like[n]` has output n's dtype and device."""
+    shapes, ndims = _flat(rows), [len(r) for r in rows]
+    outs = torch.ops.dmuon.collective_wait(
+        ticket, [like[n] for n in names], shapes, ndims, after=after
+    )
+    return dict(zip(names, outs, strict=True))
+
+
+def _empty_like(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    return {n: tensors[n].new_empty(0) for n in names}
+
+
+def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):
     """(params, batch) -> (this rank's loss, grads), as value_and_grad, holding one stage's
-    gathered parameters at a time. A name may appear in several stages (tied weights): its
+    gathered parameters at a time (two adjacent ones with prefetch=1, whose collectives then
+    overlap the stages' computation). A name may appear in several stages (tied weights): its
     gradient is reduced after each and summed on the owner."""
     stages = check_stages(stages, fn_plan)
+    if prefetch not in (0, 1):
+        raise ValueError(f"prefetch must be 0 or 1 (one stage ahead), got {prefetch!r}")
+    if prefetch:
+        return _overlapped(stages, fn_plan)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
         token = params[fn_plan.names[0]].new_zeros(0)
@@ -161,3 +214,68 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan):
         return loss, {n: grads[n] for n in fn_plan.names}
 
     return run
+
+
+def _overlapped(stages, fn_plan: FnPlan):
+    """The staged step with each stage's collectives started one stage ahead (module
+    docstring, "Overlap")."""
+
+    def run(params: dict[str, torch.Tensor], batch: Any):
+        full_shapes = {n: [fn_plan.shape(n)] for names, _ in stages for n in names}
+        p_like = _empty_like(params, full_shapes)
+
+        def gather_wait(ticket, names, after):
+            return _wait(ticket, p_like, [full_shapes[n][0] for n in names], names, after)
+
+        names0 = stages[0][0]
+        chain = _start_gather(params, names0, fn_plan, [params[fn_plan.names[0]].new_zeros(0)])
+        full = gather_wait(chain, names0, None)
+        xs, x = [], None
+        for i in range(len(stages) - 1):
+            chain = nxt = _start_gather(params, stages[i + 1][0], fn_plan, [chain])
+            xs.append(x)
+            x = stages[i][1](full, x, batch)
+            del full  # dead after the stage: the backward gathers it again
+            full = gather_wait(nxt, stages[i + 1][0], _tensors(x))
+        names, fn = stages[-1]
+        loss, pull = _vjp(fn, full, x, batch)
+        del full
+        if loss.ndim != 0:
+            raise ValueError(
+                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
+            )
+        cot = torch.ones_like(loss)
+        grads: dict[str, torch.Tensor] = {}
+        regather, pending, landed = None, None, [loss]
+        for i in range(len(stages) - 1, -1, -1):
+            names, fn = stages[i]
+            if i < len(stages) - 1:
+                full = gather_wait(regather, names, _tensors(cot))
+                _, pull = _vjp(fn, full, xs[i], batch)
+                del full
+                xs[i] = None  # held by the pullback until it has run
+            if i > 0:
+                chain = regather = _start_gather(params, stages[i - 1][0], fn_plan, [chain])
+            g_full, cot = pull(cot)
+            del pull
+            chain = _start_reduce(g_full, names, fn_plan, [chain])
+            like = _empty_like(g_full, names)
+            del g_full
+            if pending is not None:  # the last stage's reduce traveled while this one ran
+                landed = _land(pending, grads, fn_plan, [chain, *landed])
+            pending = (chain, names, like)
+        _land(pending, grads, fn_plan, landed)
+        return loss, {n: grads[n] for n in fn_plan.names}
+
+    return run
+
+
+def _land(pending, grads, fn_plan, after) -> list[torch.Tensor]:
+    """Wait for a stage's reduce and add its results to `grads`; returns them (the next wait
+    waits for them)."""
+    ticket, names, like = pending
+    rows = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
+    reduced = _wait(ticket, like, rows, names, after)
+    for n, g in reduced.items():
+        grads[n] = grads[n] + g if n in grads else g
+    return list(reduced.values())

@@ -1,129 +1,134 @@
 """The object API's per-module gather and reduce-to-owner, eager and inside compiled blocks.
 
 `install_hooks` gives every module that holds dedicated parameters a forward pre-hook, which
-broadcasts each one's full value from its local owner and lets the module compute with it, and
-a post-hook, which drops it. Backward sums the gradient of that value onto the owner (the
-broadcast's transpose; a second stage across replicas under HSDP) and the global owner
-accumulates the data-parallel mean into `param.grad`. `ParamHandler` runs both collectives for
-one entry; two paths call it:
+takes each one's full value from the scheduler (dmuon_fn/_schedule.py: its unit's gathers,
+issued ahead or now) and lets the module compute with it, and a post-hook, which drops it.
+Backward hands the gradient of that value to the scheduler, which sums it onto the owner (the
+broadcast's transpose; a second stage across replicas under HSDP) into the global owner's
+`param.grad`. A `Slot` (one module attribute's use of one entry) is what both paths call:
 
 - eager: `_Gather`, an autograd.Function, calls it directly (so `CommCounter` sees c10d ops);
 - compiled (`torch.compile` of a block that contains the module traces the hooks with it):
-  dmuon::param_gather, whose autograd formula is dmuon::param_reduce. The ops take the entry's
-  handle (custom_ops._handles), whose metadata is the same for every parameter on every rank,
-  and the full shape and dtype; the hooks read nothing else of the entry (not `param`: full on
-  owners, 0-size elsewhere). So a graph has no rank- or owner-specific constant or guard:
-  identical blocks share one graph, and every rank traces the same graph, whose collectives
-  any deterministic compiler then orders alike.
+  dmuon::param_gather, whose autograd formula is dmuon::param_reduce, and at the block's entry
+  dmuon::gather_start, which issues the whole unit's gathers before the block computes. The
+  ops take the slot's handle (custom_ops._handles), whose metadata is the same for every
+  parameter on every rank, and the full shape and dtype; the hooks read nothing else of the
+  entry (not `param`: full on owners, 0-size elsewhere). So a graph has no rank- or
+  owner-specific constant or guard: identical blocks share one graph, and every rank traces the
+  same graph, whose collectives any deterministic compiler then orders alike.
 
 Z3 (`reshard_after_forward`): eager, saved_tensors_hooks swap autograd's saved references to a
-gathered value for its entry and broadcast again when backward unpacks them; compiled, the
+gathered value for its unit and group, and re-gather when backward unpacks them; compiled, the
 gather runs inside `torch.utils.checkpoint`, which under torch.compile tags it for recompute,
 so the partitioner saves only the handle and gathers again in backward.
 
-Which parameters took part in a step: backward gives the handle a gradient (`Entry.touched`).
+Which parameters took part in a step: backward gives a slot's handle a gradient
+(`Entry.touched`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from custom_ops._collectives import broadcast_into, reduce_sum
+from custom_ops._handles import new_handle
 
-from ._guard import phase
-
-if TYPE_CHECKING:
-    from ._dedicate import DedicatedState, Entry
-
-
-class ParamHandler:
-    """One entry's collectives (custom_ops._handles.Handler)."""
-
-    def __init__(self, e: Entry, st: DedicatedState) -> None:
-        self.e, self.st = e, st
-
-    def gather(self) -> torch.Tensor:
-        # a compiled Z3 block runs this op again in backward (inside the autograd engine)
-        in_backward = torch._C._current_graph_task_id() != -1
-        what = "backward (Z3 parameter re-gather)" if in_backward else "forward (parameter gather)"
-        return broadcast_value(self.e, self.st, what)
-
-    def reduce(self, grad: torch.Tensor) -> None:
-        e, st = self.e, self.st
-        if not e.param.requires_grad:  # frozen since the last step: every rank skips alike
-            return
-        g = grad.to(e.reduce_dtype).contiguous().clone()
-        with phase(f"backward (gradient reduce of {e.name})"):
-            reduce_sum(g, e.owner_shard, st.shard_group, st.shard_size)
-            if st.replicate_group is not None and st.is_local_owner(e):
-                reduce_sum(g, e.owner_replica, st.replicate_group, st.replicate_size)
-        if st.is_global_owner(e):
-            g = g.to(e.param.dtype).div_(st.shard_size * st.replicate_size)
-            with torch.no_grad():  # what autograd's AccumulateGrad does
-                if e.param.grad is None:
-                    e.param.grad = g
-                else:
-                    e.param.grad += g
+from ._entries import Entry
+from ._schedule import Group, Scheduler, Unit
+from ._state import DedicatedState
 
 
-def broadcast_value(e: Entry, st: DedicatedState, what: str) -> torch.Tensor:
-    """The full value in the gather dtype, broadcast from the local owner (after any pending
-    HSDP publish into it has landed)."""
-    with phase(f"{what} of {e.name}"):
-        st.wait_publish(e)
-        if st.is_local_owner(e):
-            buf = e.param.detach().to(e.dtype, copy=True)
-        else:
-            buf = torch.empty(e.shape, dtype=e.dtype, device=e.param.device)
-        return broadcast_into(buf, e.owner_shard, st.shard_group, st.shard_size)
+class Slot:
+    """One module attribute's use of one entry: gathered with its unit, its gradient reduced
+    with its module's bucket (a custom_ops._handles Handler)."""
+
+    def __init__(self, e: Entry, unit: Unit, bucket: Group, st: DedicatedState) -> None:
+        self.e, self.unit, self.bucket, self.st = e, unit, bucket, st
+        self.handle = new_handle(self).requires_grad_(e.param.requires_grad)
+        e.handles.append(self.handle)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.st.scheduler
+
+    def take(self, owes_grad: bool) -> Tensor:
+        """The value for the module about to run (forward)."""
+        return self.scheduler.value(self.e, self.unit, self.bucket if owes_grad else None)
+
+    def start(self) -> None:
+        """dmuon::gather_start's runtime: the unit's gathers are issued (if not already)."""
+        self.scheduler.open_unit(self.unit)
+
+    def gather(self) -> Tensor:
+        """dmuon::param_gather's runtime. A compiled Z3 block runs it again in backward (inside
+        the autograd engine): then it takes the unit's re-gathered copy."""
+        sched = self.scheduler
+        if torch._C._current_graph_task_id() != -1:
+            value = sched.regather(self.unit).value(self.e)
+            sched.release(self.unit)
+            return value
+        owes = self.handle.requires_grad
+        if owes and self.st.reshard_after_forward:
+            self.unit.owed_regathers += 1
+        return sched.value(self.e, self.unit, self.bucket if owes else None)
+
+    def reduce(self, grad: Tensor) -> None:
+        if self.e.param.requires_grad:  # frozen since the last step: every rank skips alike
+            self.scheduler.deposit(self.bucket, self.e, grad)
 
 
 class _Gather(torch.autograd.Function):
-    """Eager: the handler's broadcast; backward its reduce, and a gradient for the handle."""
+    """Eager: the slot's value; backward its deposit, and a gradient for the handle."""
 
     @staticmethod
-    def forward(ctx, handle: torch.Tensor, h: ParamHandler) -> torch.Tensor:
-        ctx.h = h
-        return h.gather()
+    def forward(ctx, handle: Tensor, slot: Slot, owes_grad: bool) -> Tensor:
+        ctx.slot = slot
+        return slot.take(owes_grad)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.h.reduce(grad)
-        return torch.ones(1, dtype=torch.float64, device="cpu"), None
+    def backward(ctx, grad: Tensor):
+        ctx.slot.reduce(grad)
+        return torch.ones(1, dtype=torch.float64, device="cpu"), None, None
 
 
-def _gather_op(handle: torch.Tensor, shape: list[int], dtype: torch.dtype, device: torch.device):
+def _gather_op(handle: Tensor, shape: list[int], dtype: torch.dtype, device: torch.device):
     return torch.ops.dmuon.param_gather(handle, shape, dtype, device)
 
 
-def gather(e: Entry, st: DedicatedState) -> torch.Tensor:
-    """The full value of `e` for the module about to run; autograd sums its gradient back."""
+def gather(slot: Slot, st: DedicatedState) -> Tensor:
+    """The full value of the slot's entry for the module about to run; autograd sums its
+    gradient back."""
+    e = slot.e
     if not torch.compiler.is_compiling():
         e.follow_requires_grad()
-        return _Gather.apply(e.handle, e.handler)
+        owes = torch.is_grad_enabled() and slot.handle.requires_grad
+        return _Gather.apply(slot.handle, slot, owes)
     shape = list(e.shape)
     if st.reshard_after_forward:  # recomputed in backward instead of saved
-        return checkpoint(_gather_op, e.handle, shape, e.dtype, e.device, use_reentrant=False)
-    return _gather_op(e.handle, shape, e.dtype, e.device)
+        return checkpoint(_gather_op, slot.handle, shape, e.dtype, e.device, use_reentrant=False)
+    return _gather_op(slot.handle, shape, e.dtype, e.device)
 
 
 class _Z3Saver:
-    """Eager Z3: saved_tensors_hooks that keep only a handle to gathered values and gather
-    again when backward needs them. Entered by a module's pre-hook, left by its post-hook."""
+    """Eager Z3: saved_tensors_hooks that keep only (unit, group, view geometry) of gathered
+    values and re-gather the unit when backward needs them. Entered by a module's pre-hook,
+    left by its post-hook."""
 
     def __init__(self, st: DedicatedState) -> None:
         self.st = st
-        # storage ptr of a gathered value -> (its entry, the value, weakly: a ptr is trusted only
-        # while the value lives, so an entry left behind by a forward that raised never matches)
-        self.live: dict[int, tuple[Entry, weakref.ref]] = {}
+        # storage ptr of a gathered group buffer -> (unit, group index, the buffer, weakly: a
+        # ptr is trusted only while the buffer lives, so one left behind never matches)
+        self.live: dict[int, tuple[Unit, int, weakref.ref]] = {}
         self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
-    def enter(self) -> None:
+    def enter(self, unit: Unit) -> None:
+        flight = self.st.scheduler.open_flight(unit)
+        for i, flat in enumerate(flight.flats):
+            self.live[flat.untyped_storage().data_ptr()] = (unit, i, weakref.ref(flat))
         self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.ctx.__enter__()
 
@@ -136,26 +141,39 @@ class _Z3Saver:
             self.ctx = None
         self.live.clear()
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: Tensor):
         hit = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if hit is None or hit[1]() is None:
+        if hit is None or hit[2]() is None:
             return t
-        return (_HANDLE, hit[0], t.size(), t.stride(), t.storage_offset())
+        unit, i = hit[0], hit[1]
+        unit.owed_regathers += 1
+        return (_HANDLE, unit, i, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
         if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
             return x
-        _, e, size, stride, offset = x
+        _, unit, i, size, stride, offset = x
+        sched = self.st.scheduler
         with torch.no_grad():
-            full = broadcast_value(e, self.st, "backward (Z3 parameter re-gather)")
-        return full.as_strided(size, stride, offset)
+            flat = sched.regather(unit).flats[i]
+        sched.release(unit)
+        return flat.as_strided(size, stride, offset)
 
 
 _HANDLE = object()
 
 
-def install_hooks(module: nn.Module, slots: list[tuple[str, Entry]], st: DedicatedState) -> None:
-    """Gather `slots` ((attribute name, entry) pairs) around every forward of `module`.
+def install_hooks(
+    module: nn.Module,
+    slots: list[tuple[str, Slot]],
+    unit: Unit,
+    unit_handles: list[Tensor],
+    st: DedicatedState,
+) -> None:
+    """Gather `slots` ((attribute name, slot) pairs, all of `unit`) around every forward of
+    `module`. Compiled, the hook first issues the whole unit's gathers (dmuon::gather_start
+    over `unit_handles`, every slot handle of the unit; a no-op at run time once they are
+    issued), so the first module of a compiled block issues them all before it computes.
 
     The gathered value shadows the placeholder as an instance attribute (instance attributes
     come before `_parameters` in attribute lookup), so `parameters()` and state dicts never
@@ -169,13 +187,12 @@ def install_hooks(module: nn.Module, slots: list[tuple[str, Entry]], st: Dedicat
         eager_z3 = saver is not None and not torch.compiler.is_compiling()
         if eager_z3:
             saver.leave()  # a no-op unless the last forward raised
-        for pname, e in slots:
-            full = gather(e, st)
-            if eager_z3:
-                saver.live[full.untyped_storage().data_ptr()] = (e, weakref.ref(full))
-            object.__setattr__(mod, pname, full)
+        if torch.compiler.is_compiling():
+            torch.ops.dmuon.gather_start(unit_handles)
+        for pname, slot in slots:
+            object.__setattr__(mod, pname, gather(slot, st))
         if eager_z3 and torch.is_grad_enabled():
-            saver.enter()
+            saver.enter(unit)
 
     def post(mod: nn.Module, args, output):
         if saver is not None and not torch.compiler.is_compiling():
@@ -185,3 +202,31 @@ def install_hooks(module: nn.Module, slots: list[tuple[str, Entry]], st: Dedicat
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
+
+
+def install_unit_hook(module: nn.Module, unit: Unit, st: DedicatedState) -> None:
+    """Issue `unit`'s gathers when `module` (the unit's own module: a block) starts, before the
+    parameters' modules inside it run (eager; compiled blocks issue them from the first
+    parameter module's hook, inside the block's graph)."""
+
+    def pre(mod: nn.Module, args):
+        if not torch.compiler.is_compiling():
+            st.scheduler.open_unit(unit)
+
+    module.register_forward_pre_hook(pre)
+
+
+def install_root_hooks(model: nn.Module, st: DedicatedState) -> None:
+    """The model's forward begins and ends a recorded order (eager; a compiled root leaves the
+    scheduler off its recorded order: every gather then issued when needed)."""
+
+    def pre(mod: nn.Module, args):
+        if not torch.compiler.is_compiling():
+            st.scheduler.begin_forward()
+
+    def post(mod: nn.Module, args, output):
+        if not torch.compiler.is_compiling():
+            st.scheduler.end_forward()
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)

@@ -29,10 +29,10 @@ import torch.nn as nn
 
 from . import _fsdp_adapter as fsdp
 from . import _guard as guard
-from ._dedicate import DedicatedState, dedicated_state
 from ._dispatch import setup_field
 from ._orthogonalize import NSConfig
 from ._plan_check import check_setup_consistent, kernel_field
+from ._state import DedicatedState, dedicated_state
 from ._update import AdamWState, MuonState, adamw_update, muon_update
 
 
@@ -184,6 +184,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.st.scheduler.wait_reduces()
         ok = self._check_grads()
         for group in self.param_groups:
             lr = torch.tensor(group["lr"], dtype=torch.float32)
@@ -268,6 +269,7 @@ class Muon(torch.optim.Optimizer):
         torch.nn.utils.clip_grad_norm_ over the unsharded model's gradients. A following
         `step()` reuses this norm and does not clip again."""
         guard.check_max_norm(max_norm)
+        self.st.scheduler.wait_reduces()
         self._sq = None  # the gradients may have changed since any earlier norm
         total = self._clip(max_norm)
         self._clipped = True
@@ -281,6 +283,7 @@ class Muon(torch.optim.Optimizer):
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.st.scheduler.wait_reduces()  # else they would land after the zeroing
         super().zero_grad(set_to_none)
         self._sq, self._clipped = None, False
         for e in self.st.entries:  # a parameter (un)frozen since: compiled blocks see it now
@@ -321,7 +324,9 @@ class Muon(torch.optim.Optimizer):
                     state[k] = v.to(self.state_dtype)
 
     def wait_publish(self) -> None:
-        """Block until every background publish of the last step has landed."""
+        """Block until every background publish of the last step, and every gradient reduce of
+        the last backward, has landed."""
+        self.st.scheduler.wait_reduces()
         for e in self.st.entries:
             self.st.wait_publish(e)
 

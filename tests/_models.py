@@ -136,12 +136,23 @@ def ns_fp32(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def reference(
-    name: str, world: int, steps: int, muon: set[str], hp: dict, schedule=lambda step: 1.0
+    name: str,
+    world: int,
+    steps: int,
+    muon: set[str],
+    hp: dict,
+    schedule=lambda step: 1.0,
+    *,
+    model: nn.Module | None = None,
+    loss=None,
 ) -> dict:
     """Single-process plain PyTorch: mean loss over every rank's batch, Muon on `muon` names
     (momentum, Nesterov, fp32 standard NS, 0.2·sqrt(max(m, n)) scale), AdamW on the rest; both
-    learning rates multiplied by schedule(step)."""
-    model = make(name)
+    learning rates multiplied by schedule(step). `model` (default: make(name)) and
+    `loss(model, step, rank)` (default: the model on batch(name, step, rank)) for other
+    models."""
+    model = make(name) if model is None else model
+    loss = loss or (lambda m, step, rank: m(batch(name, step, rank)))
     named = dict(model.named_parameters())
     others = [p for n, p in named.items() if n not in muon]
     adamw = torch.optim.AdamW(
@@ -153,11 +164,12 @@ def reference(
         for g in adamw.param_groups:
             g["lr"] = hp["adamw_lr"] * schedule(step)
         model.zero_grad()
-        loss = sum(model(batch(name, step, r)) for r in range(world)) / world
-        loss.backward()
+        (sum(loss(model, step, r) for r in range(world)) / world).backward()
         with torch.no_grad():
             for n in muon:
                 p, g = named[n], named[n].grad
+                if g is None:  # not used this step: no update (AdamW skips it too)
+                    continue
                 bufs[n] = hp["momentum"] * bufs[n] + g
                 u = g + hp["momentum"] * bufs[n]
                 scale = 0.2 * math.sqrt(max(p.shape))

@@ -4,18 +4,23 @@ World sizes 1, 2, 4 and a 2×2 HSDP mesh, the whole step under torch.compile(ful
 zero graph breaks, one graph across 5 steps whose lr changes, results equal to the Z2 step
 (value_and_grad of one loss_fn) to fp32 rounding, and the peak parameter memory of each rank —
 its own parameters plus the live gathered copies, read from the CPU allocator's records
-(examples/benchmarks/_memory.py) — is within 1.2x of total / W + the largest stage: the gathered
-copies peak at exactly the largest stage, while the Z2 step holds the whole model.
+(examples/benchmarks/_memory.py) — is within 1.2x of total / W + the largest two adjacent
+stages: the gathered copies peak at exactly the largest stage without prefetch and the largest
+adjacent pair with it (one stage's collectives travel while its neighbour computes), while the
+Z2 step holds the whole model.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
@@ -70,7 +75,7 @@ def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _run(rank, world, name, hsdp, z3, backend):
+def _run(rank, world, name, hsdp, z3, backend, prefetch=1):
     mesh, rep = meshes(world, hsdp)
     model = make(name)
     fp = dmuon.plan(model, mesh, replicate_mesh=rep)
@@ -81,7 +86,8 @@ def _run(rank, world, name, hsdp, z3, backend):
         return torch.func.functional_call(model, params, (x,))
 
     def train_step(state, x, lr, alr):
-        loss, grads = dmuon.value_and_grad(st if z3 else loss_fn, fp)(state.params, x)
+        vg = dmuon.value_and_grad(st if z3 else loss_fn, fp, prefetch=prefetch)
+        loss, grads = vg(state.params, x)
         return loss, dmuon.update(grads, state, lr=lr, adamw_lr=alr)
 
     cnt = CompileCounterWithBackend(backend or "eager")
@@ -103,6 +109,7 @@ def _run(rank, world, name, hsdp, z3, backend):
             loss, state = train_step(*args)
     full = dmuon.full_params(state)
     sizes = dict(zip(fp.names, (torch.Size(s).numel() * 4 for s in fp.shapes), strict=True))
+    per_stage = [sum(sizes[n] for n in names) for names, _ in st]
     return dict(
         params=full,
         loss=loss.item(),
@@ -111,7 +118,8 @@ def _run(rank, world, name, hsdp, z3, backend):
         local=local,
         gathered=mem["gathered"],
         total=sum(sizes.values()),
-        stage=max(sum(sizes[n] for n in names) for names, _ in st),
+        stage=max(per_stage),
+        pair=max(a + b for a, b in itertools.pairwise(per_stage)),
     )
 
 
@@ -121,6 +129,7 @@ def _all(rank, world, cases, backend):
             z2=_run(rank, world, name, hsdp, False, None),
             z3=_run(rank, world, name, hsdp, True, backend),
             z3_eager=_run(rank, world, name, hsdp, True, None) if backend else None,
+            z3_off=_run(rank, world, name, hsdp, True, None, prefetch=0),
         )
         for name, hsdp in cases
     ]
@@ -133,20 +142,27 @@ def _check(world, cases, results, backend):
             if backend:
                 assert z3["frames"] == 1, "one graph, no recompiles"
                 assert z3["breaks"] == 0
+            off = r[i]["z3_off"]
             assert abs(z3["loss"] - z2["loss"]) <= TOL * abs(z2["loss"])
             for n, want in z2["params"].items():
                 assert _rel(z3["params"][n], want) < TOL, (name, hsdp, rank, n)
+                assert _rel(off["params"][n], want) < TOL, (name, hsdp, rank, n)
                 if r[i]["z3_eager"] is not None:
                     assert _rel(r[i]["z3_eager"]["params"][n], want) < TOL, n
-            # Z2 holds every parameter, Z3 exactly one stage's copy at a time; under HSDP the
-            # update's publish (the rank's new local parameters) follows the last copy's free
+            # Z2 holds every parameter; Z3 exactly one stage's copy at a time without prefetch,
+            # two adjacent stages' with it; under HSDP the update's publish (the rank's new local
+            # parameters) follows the last copy's free
             assert z2["gathered"] >= z2["total"] > z3["stage"]
-            want = max(z3["stage"], z3["local"]) if hsdp else z3["stage"]
-            for run in (z3, r[i]["z3_eager"]):
+            for run, peak in (
+                (off, off["stage"]),
+                (z3, z3["pair"]),
+                (r[i]["z3_eager"], z3["pair"]),
+            ):
                 if run is not None:
+                    want = max(peak, run["local"]) if hsdp else peak
                     assert run["gathered"] == want, (name, hsdp, rank, run["gathered"], want)
             shard = world // 2 if hsdp else world
-            bound = 1.2 * (z3["total"] / shard + z3["stage"])
+            bound = 1.2 * (z3["total"] / shard + z3["pair"])
             assert z3["local"] + z3["gathered"] <= bound, (name, rank, z3["local"], bound)
 
 
@@ -178,3 +194,55 @@ def test_stages_are_checked_up_front():
         dmuon.value_and_grad([*st, (["nope"], st[-1][1])], fp)
     with pytest.raises(ValueError, match="stages is empty"):
         dmuon.value_and_grad([], fp)
+    with pytest.raises(ValueError, match="prefetch must be 0 or 1"):
+        dmuon.value_and_grad(st, fp, prefetch=2)
+
+
+def _graph_order(rank, world):
+    """The compiled staged step's graph (AOTAutograd's, as handed to the compiler): for each
+    collective start, its position and its wait's; and the positions of the matmuls."""
+    model = make("mlp")
+    fp = dmuon.plan(model, meshes(world, False)[0])
+    state = dmuon.init(model, fp, CFG)
+    st = stages(model, "mlp")
+    graphs = []
+
+    def record(gm, _):
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        pos = {n: i for i, n in enumerate(nodes)}
+        waits = {n.args[0]: pos[n] for n in nodes if "collective_wait" in str(n.target)}
+        starts = [
+            (str(n.target).split(".")[1], pos[n], waits[n])
+            for n in nodes
+            if str(n.target).endswith("_start.default")
+        ]
+        mms = [pos[n] for n in nodes if str(n.target) in ("aten.mm.default", "aten.bmm.default")]
+        graphs.append((starts, mms))
+        return make_boxed_func(gm)
+
+    @torch.compile(fullgraph=True, backend=aot_autograd(fw_compiler=record))
+    def train_step(state, x, lr):
+        loss, grads = dmuon.value_and_grad(st, fp)(state.params, x)
+        return loss, dmuon.update(grads, state, lr=lr)
+
+    train_step(state, batch("mlp", 0, rank), torch.tensor(0.01))
+    (graph,) = graphs
+    return graph
+
+
+@pytest.mark.slow
+def test_compiled_step_issues_each_stage_gather_before_the_compute_it_overlaps():
+    """In the one compiled graph, every collective but the first gather and the last reduce
+    (nothing is left to compute around them) is issued before some matmul and waited for
+    after it: stage i+1's gathers around stage i's forward, stage i-1's re-gathers around stage
+    i's backward, stage i's reduce around stage i-1's. The same graph on every rank."""
+    results = run_ranks(_graph_order, 2)
+    for starts, mms in results:
+        layers = len(make("mlp").layers) + 1  # + the head's stage
+        kinds = [k for k, _, _ in starts]
+        assert kinds.count("owner_broadcast_start") == 2 * layers - 1, kinds
+        assert kinds.count("two_stage_reduce_start") == layers, kinds
+        assert starts[-1][0] == "two_stage_reduce_start"
+        for kind, start, wait in starts[1:-1]:
+            assert any(start < m < wait for m in mms), (kind, start, wait, mms)
+    assert results[0] == results[1]

@@ -34,6 +34,7 @@ def test_public_api_is_pinned():
         [
             "PRESETS",
             "CommCounter",
+            "CommTimer",
             "Config",
             "FnPlan",
             "State",
@@ -63,7 +64,55 @@ def test_public_api_is_pinned():
             "load_state",
             "CollectiveError",
             "global_grad_norm",
+            "set_requires_gradient_sync",
+            "wait_gradients",
         ]
     )
     for name in dmuon_fn.__all__:
         assert hasattr(dmuon_fn, name)
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """{module: the package's modules it imports relatively}, TYPE_CHECKING imports included
+    (`from . import x` names module x; `from .m import x` names m, and m.x if that is one)."""
+    graph = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        pkg = parts[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                names = {f"{target}.{a.name}" for a in node.names}
+                deps |= names | ({target} if node.module else set())
+        graph[mod] = deps - {mod}
+    return {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` as a path, or None (depth-first search, white/grey/black)."""
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*stack, m, d]
+            if d not in state and (found := visit(d, [*stack, m])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [])):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    for package in ("dmuon_fn", "custom_ops"):
+        cycle = _cycle(_module_graph(package))
+        assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -34,6 +34,8 @@ def _setup(world, hsdp=False, predicate=is_proj, mp=None, **opt_kw):
 def _full(model, what="param"):
     """Every parameter's (or gradient's) full value on every rank (test-only gather)."""
     st = model._dmuon_state
+    if what == "grad":
+        dmuon.wait_gradients(model)  # backward leaves the dedicated reduces in flight
     out = {}
     for n, p in model.named_parameters():
         t = p if what == "param" else p.grad

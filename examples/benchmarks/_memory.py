@@ -4,7 +4,8 @@ With profile_memory=True the profiler logs every CPU allocation and free (pointe
 op it happened in), eager or compiled alike: inductor's buffers and the custom ops' outputs go
 through the same allocator. Two peaks over the call, both relative to its start:
 
-- gathered: bytes live in tensors allocated inside dmuon::owner_broadcast — the gathered
+- gathered: bytes live in tensors allocated inside dmuon::owner_broadcast (the functional
+  API) or a "dmuon::param_gather" region (the object API's grouped gathers) — the gathered
   copies of parameters (the owner's own copy included; the token is 0 bytes) and, under HSDP,
   the update's publish over the replicate group: the rank's new local parameters, made after
   the last gathered copy is gone;
@@ -16,10 +17,10 @@ The profiler sees only the frees made on the profiled thread. gloo runs each col
 worker thread that may still hold the tensor for a moment after `wait()` returns; if the program
 drops it first (a stage as short as an embedding lookup), the last reference goes, and the
 memory is freed, on that thread, unseen, and the copy would count as live until its address came
-back from the allocator. So during the call every synchronous `torch.distributed.broadcast` and
-`reduce` runs on a scratch copy (allocated in a "memory probe scratch" region and counted
-nowhere) that is copied back: gloo never holds a tensor of the program's, whose every free is
-then made, and recorded, on the calling thread.
+back from the allocator. So during the call every `torch.distributed.broadcast` and `reduce`
+runs on a scratch copy (allocated in a "memory probe scratch" region and counted nowhere) that
+is copied back (for an asynchronous one, when its work is waited on): gloo never holds a tensor
+of the program's, whose every free is then made, and recorded, on the calling thread.
 """
 
 from __future__ import annotations
@@ -31,18 +32,23 @@ import torch.distributed as dist
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-GATHER_OP = "dmuon::owner_broadcast"
+GATHER_OPS = ("dmuon::owner_broadcast", "dmuon::owner_broadcast_start", "dmuon::param_gather")
 SCRATCH = "memory probe scratch"
 
 
 def _allocations(roots):
     """(time, ptr, bytes, region) for every allocation event (frees negative); region is
-    SCRATCH, GATHER_OP or None, the innermost of the two the event happened in."""
+    SCRATCH, "gather" (one of GATHER_OPS) or None, the innermost the event happened in (a
+    ticket of custom_ops._tickets, made inside a gather op, counts in the total only)."""
     out, stack = [], [(r, None) for r in roots]
     while stack:
         node, region = stack.pop()
-        if node.name in (GATHER_OP, SCRATCH):
+        if node.name in GATHER_OPS:
+            region = "gather"
+        elif node.name == SCRATCH:
             region = node.name
+        elif node.name == "dmuon::ticket":  # an asynchronous collective's 8-byte ticket
+            region = None
         if node.tag == _EventType.Allocation:
             f = node.extra_fields
             out.append((node.start_time_ns, f.ptr, f.alloc_size, region))
@@ -50,13 +56,30 @@ def _allocations(roots):
     return sorted(out, key=lambda e: (e[0], e[2] > 0))  # at equal times, frees first
 
 
+class _CopyBack:
+    """An asynchronous collective's work on a scratch copy: waiting copies the result back."""
+
+    def __init__(self, work, scratch, tensor) -> None:
+        self.work, self.scratch, self.tensor = work, scratch, tensor
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.scratch is not None:
+            self.tensor.copy_(self.scratch)
+            self.scratch = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 def _through_scratch(collective: Callable) -> Callable:
     def run(tensor, *args, async_op: bool = False, **kwargs):
-        if async_op:
-            return collective(tensor, *args, async_op=True, **kwargs)
         with record_function(SCRATCH):
             scratch = tensor.clone()
-            collective(scratch, *args, **kwargs)
+            work = collective(scratch, *args, async_op=async_op, **kwargs)
+            if async_op:
+                return _CopyBack(work, scratch, tensor)
             tensor.copy_(scratch)
         return None
 
@@ -80,7 +103,7 @@ def peak_bytes(fn: Callable[[], object]) -> tuple[object, dict[str, int]]:
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
         result = fn()
-    counts = {None: ("total",), GATHER_OP: ("total", "gathered"), SCRATCH: ()}  # by region
+    counts = {None: ("total",), "gather": ("total", "gathered"), SCRATCH: ()}  # by region
     live: dict[int, tuple[int, str | None]] = {}  # allocated during the call, by address
     now = {"gathered": 0, "total": 0}
     peak = dict(now)

@@ -1,0 +1,60 @@
+"""dmuon::collective_wait — the results of an asynchronous collective op, once it has landed.
+
+ticket: what dmuon::owner_broadcast_start or dmuon::two_stage_reduce_start returned (redeemed
+once); like[i]: a tensor of output i's dtype and device (0-size will do); shapes/ndims: the
+outputs' shapes, flattened as in dmuon::owner_broadcast. `after` orders the wait after whatever
+produced it (the computation the collectives overlap), so no compiler moves it earlier and
+blocks there. Returns the outputs, in order.
+
+No autograd: it ends an operation that has none. Registered side-effectful: a rank that drops
+its result must still wait (and free) the collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _tickets
+from ._collectives import define_collective
+from ._registry import OpSpec, register_op
+from .owner_broadcast import split_shapes
+
+define_collective(
+    "dmuon::collective_wait",
+    "(Tensor ticket, Tensor[] like, int[] shapes, int[] ndims, Tensor[]? after=None) -> Tensor[]",
+)
+
+
+@torch.library.impl("dmuon::collective_wait", "CompositeExplicitAutograd")
+def collective_wait(
+    ticket: Tensor,
+    like: list[Tensor],
+    shapes: list[int],
+    ndims: list[int],
+    after: list[Tensor] | None = None,
+) -> list[Tensor]:
+    out = _tickets.redeem(ticket)
+    want = split_shapes(shapes, ndims)
+    for t, ref, shape in zip(out, like, want, strict=True):
+        if list(t.shape) != shape or t.dtype != ref.dtype or t.device != ref.device:
+            raise RuntimeError(
+                f"dmuon::collective_wait: got {tuple(t.shape)} {t.dtype} on {t.device}, the "
+                f"graph expected {tuple(shape)} {ref.dtype} on {ref.device}"
+            )
+    return out
+
+
+@torch.library.register_fake("dmuon::collective_wait")
+def _(ticket, like, shapes, ndims, after=None):
+    return [t.new_empty(s) for t, s in zip(like, split_shapes(shapes, ndims), strict=True)]
+
+
+def _samples():
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randn(6, 4, generator=g), torch.randn(3, generator=g)
+    ticket = _tickets.issue(lambda: [a.clone(), b.clone()], once=False)  # as a start op's
+    yield (ticket, [a.new_empty(0), b.new_empty(0)], [6, 4, 3], [2, 1]), {}
+
+
+register_op(OpSpec("dmuon::collective_wait", torch.ops.dmuon.collective_wait, _samples, False))

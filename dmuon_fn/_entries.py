@@ -1,0 +1,128 @@
+"""The object API's records: one `Entry` per dedicated parameter, and the `Topology` of the
+groups it is gathered and reduced over. Plain data below every module that moves parameters.
+
+Who holds what (G ranks in the shard group, R replicas under HSDP):
+- the *local owner* of a parameter is shard rank `owner_shard` in every replica; it holds the
+  full parameter between steps. The *global owner*, (owner_shard, owner_replica), holds it in
+  fp32 (the master, when the model is lower precision), its optimizer state, and is the only
+  rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._comm import blocked
+from ._guard import phase
+
+
+@dataclass(eq=False)
+class Entry:
+    """One dedicated parameter (tied names share one entry)."""
+
+    name: str
+    names: tuple[str, ...]
+    shape: torch.Size
+    dtype: torch.dtype  # compute and gather dtype (the model's, or param_dtype)
+    reduce_dtype: torch.dtype  # gradient reduction dtype
+    owner_shard: int
+    owner_replica: int
+    param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
+    publish: dist.Work | None = None
+    # one per module slot of the entry (custom_ops._handles; dmuon_fn/_gather.py's `Slot`),
+    # naming it to dmuon::param_gather/param_reduce: each requires grad as `param` does, and
+    # backward sets its .grad when it reaches that slot's gather
+    handles: list[torch.Tensor] = field(default_factory=list)
+    device: torch.device | None = None  # param's: compiled hooks read this, never `param`
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) >= 2
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def touched(self) -> bool:
+        """Backward reached this parameter's gather since the last step (the same on every rank
+        that took part)."""
+        return any(h.grad is not None for h in self.handles)
+
+    def next_step(self) -> None:
+        """Forget this step's `touched`; follow `param.requires_grad` (set since by the user)."""
+        for h in self.handles:
+            h.grad = None
+        self.follow_requires_grad()
+
+    def follow_requires_grad(self) -> None:
+        """The handles require grad as the parameter does: a compiled block reads a handle's
+        flag, never the parameter's."""
+        for h in self.handles:
+            if h.requires_grad != self.param.requires_grad:
+                h.requires_grad_(self.param.requires_grad)
+
+    def wait_publish(self) -> None:
+        """Block until the HSDP publish into `param` (if one is pending) has landed."""
+        if self.publish is not None:
+            with blocked(), phase(f"the HSDP publish of {self.name}"):
+                self.publish.wait()
+            self.publish = None
+
+
+@dataclass(eq=False)
+class Topology:
+    """The groups dedicated parameters move over, and this rank's place in them."""
+
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    shard_rank: int
+    replica_rank: int
+    shard_size: int
+    replicate_size: int
+    reshard_after_forward: bool
+
+    def is_local_owner(self, e: Entry) -> bool:
+        return self.shard_rank == e.owner_shard
+
+    def is_global_owner(self, e: Entry) -> bool:
+        return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica
+
+
+def check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
+    """A 1-D shard mesh, and under HSDP a 1-D replicate mesh: the two dims of one 2-D mesh
+    named ('replicate', 'shard') that together span the world."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be a 1-D DeviceMesh (for HSDP pass hsdp['shard'] and "
+            f"replicate_mesh=hsdp['replicate']), got {mesh!r}"
+        )
+    if replicate_mesh is None:
+        return
+    if not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1:
+        raise ValueError(f"replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
+    names = (mesh.mesh_dim_names, replicate_mesh.mesh_dim_names)
+    if names != (("shard",), ("replicate",)):
+        raise ValueError(
+            "HSDP needs a 2-D mesh named ('replicate', 'shard'): build it with "
+            "init_device_mesh(dev, (R, G), mesh_dim_names=('replicate', 'shard')) and pass "
+            f"mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']; got dim names {names}"
+        )
+    if mesh.size() * replicate_mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks) "
+            f"disagree with the world size {dist.get_world_size()}: they must be the 'shard' and "
+            "'replicate' dims of one 2-D mesh"
+        )
+    shard_ranks = set(mesh.mesh.flatten().tolist())
+    rep_ranks = set(replicate_mesh.mesh.flatten().tolist())
+    if shard_ranks & rep_ranks != {dist.get_rank()}:
+        raise ValueError(
+            "mesh and replicate_mesh disagree: they must be the 'shard' and 'replicate' dims of "
+            "the same 2-D mesh (their groups must cross in exactly this rank)"
+        )
