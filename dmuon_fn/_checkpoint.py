@@ -1,20 +1,25 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), for both APIs.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both APIs.
 
-Every rank writes only what it holds; nothing is gathered. The state dict each rank hands DCP:
-- `model.<name>`: a dedicated parameter, ONLY in its global owner's dict (the object API's fp32
-  master, or the functional API's value), so it is written exactly once; an FSDP2 parameter as
-  its DTensor on every rank (DCP writes each shard once, deduplicating HSDP replicas); a plain
-  parameter or buffer (replicated) on every rank, written once by DCP's dedup.
+A checkpoint saved by either face loads into the other (same model, same predicate), on any
+world size or mesh shape. Every rank writes only what it holds; nothing is gathered. The keys:
+- `model.<name>`: a dedicated parameter, ONLY in its global owner's dict (its master: the object
+  API's fp32 master, the functional API's `State.params` value), so it is written exactly once;
+  an FSDP2 parameter as its DTensor on every rank (DCP writes each shard once, deduplicating
+  HSDP replicas); a plain parameter or buffer (replicated) on every rank, written once by DCP's
+  dedup. Tied parameters under their first name.
 - `optim.<name>.<key>`: the optimizer state of a parameter on the rank(s) that update it: the
-  global owner of a dedicated parameter (momentum, or AdamW's step and moments), every rank for
-  FSDP2 shards (DTensor moments, a replicated 0-d step).
-- `optim.param_groups.<kind>.<hyper>` (object API): lr, momentum, betas, ... on every rank;
-  `optim.skipped_steps`, `optim.grad_norm`: the gradient guard's counters, on every rank.
+  global owner of a dedicated parameter, every rank for FSDP2 shards (DTensor moments, a
+  replicated 0-d step). Keys: Muon `momentum_buffer`; AdamW `step` (0-d float32), `exp_avg`,
+  `exp_avg_sq` (`_update.STATE_KEYS`: the functional `MuonState.momentum` is `momentum_buffer`).
+- `optim.param_groups.<kind>.<hyper>` on every rank, for each kind that has parameters:
+  `muon`: lr, momentum, weight_decay, nesterov; `adamw`: lr, betas, eps, weight_decay (`HYPER`:
+  the object API's param groups, the functional `Config`'s fields).
+- `optim.skipped_steps` (int64), `optim.grad_norm` (float32): the gradient guard's 0-d counters.
 
 Load reads the saved metadata on every rank (no collective), checks names and full shapes, then
 each rank requests only what it holds under the NEW plan: the new global owner the value and
 its optimizer state; under HSDP the other replicas' local owners the value too, cast on copy to
-their own dtype (the model dtype, as the publish sends it); FSDP2 DTensors their new shards.
+their own dtype (the compute dtype, as the publish sends it); FSDP2 DTensors their new shards.
 DCP's default load plan is the identity on each rank's local requests, so ranks may ask for
 different keys. The plan is a pure function of shapes and mesh, so a new world size or mesh
 shape needs nothing beyond this: the fresh model's owners are already the new ones.
@@ -22,6 +27,7 @@ shape needs nothing beyond this: the fresh model's owners are already the new on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -33,10 +39,30 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ._functional import State
+from ._guard import counters
 from ._optim import Muon
 from ._state import DedicatedState, dedicated_state
+from ._update import STATE_KEYS, state_items
 
 PathLike = str | os.PathLike
+
+# Param-group hyperparameters per kind: {checkpoint key: functional Config field}. The object
+# API's param groups use the keys themselves.
+HYPER = {
+    "muon": {
+        "lr": "lr",
+        "momentum": "momentum",
+        "weight_decay": "weight_decay",
+        "nesterov": "nesterov",
+    },
+    "adamw": {
+        "lr": "adamw_lr",
+        "betas": "adamw_betas",
+        "eps": "adamw_eps",
+        "weight_decay": "adamw_weight_decay",
+    },
+}
+_GROUPS = "optim.param_groups."
 
 
 def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
@@ -70,16 +96,37 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
             group[k[len(prefix) :]] = sd[k]
 
 
-def save_state(path: PathLike, state: State) -> None:
-    """Save a functional `State` (params and optimizer state; the plan and Config are the
-    caller's) to the directory `path`. Collective over the default group when initialized."""
-    _save(path, _state_dict(state, load=False))
+def save_state(
+    path: PathLike,
+    state: State,
+    *,
+    lr: float | torch.Tensor | None = None,
+    adamw_lr: float | torch.Tensor | None = None,
+    weight_decay: float | torch.Tensor | None = None,
+    adamw_weight_decay: float | torch.Tensor | None = None,
+) -> None:
+    """Save a functional `State` (params, optimizer state, the guard's counters, and the
+    Config's hyperparameters) to the directory `path`, in the object API's format. Pass the
+    per-step values last given to `update` (lr, ...) when they are not the Config's, so the
+    checkpoint records what the run used. Collective over the default group when initialized."""
+    given = {"lr": lr, "adamw_lr": adamw_lr, "weight_decay": weight_decay}
+    given["adamw_weight_decay"] = adamw_weight_decay
+    values = {k: (getattr(state.config, k) if v is None else float(v)) for k, v in given.items()}
+    if values["adamw_lr"] is None:  # Config.adamw_lr None: the Muon lr
+        values["adamw_lr"] = values["lr"]
+    cfg = dataclasses.replace(state.config, **values)
+    sd = _state_dict(state, load=False)
+    for kind in _kinds(state):
+        sd.update({f"{_GROUPS}{kind}.{k}": getattr(cfg, f) for k, f in HYPER[kind].items()})
+    _save(path, sd)
 
 
 def load_state(path: PathLike, state: State) -> State:
     """A copy of `state` (freshly `init`-ed for the current plan and mesh) with the values saved
-    by `save_state`, on any world size or mesh shape. Optimizer state keeps the dtype of
-    `state` (its `Config.state_dtype`); the input is not modified. Collective."""
+    by `save_state` or `save_checkpoint`, on any world size or mesh shape, and a Config whose
+    hyperparameters (lr, momentum, betas, ...) are the checkpoint's. Optimizer state keeps the
+    dtype of `state` (its `Config.state_dtype`), parameters the dtypes `init` gave them; the
+    input is not modified. Collective."""
     md = _metadata(path)
     _check(path, md, _state_shapes(state))
     new = State(
@@ -87,9 +134,37 @@ def load_state(path: PathLike, state: State) -> State:
         {n: type(s)(*(t.clone() for t in s)) for n, s in state.opt.items()},
         state.plan,
         state.config,
+        *_counters_of(state),
     )
-    _load(path, _state_dict(new, load=True))
-    return new
+    sd = _state_dict(new, load=True)
+    fields = {
+        f"{_GROUPS}{kind}.{k}": f
+        for kind in _kinds(state)
+        for k, f in HYPER[kind].items()
+        if f"{_GROUPS}{kind}.{k}" in md.state_dict_metadata
+    }
+    sd.update({k: getattr(state.config, f) for k, f in fields.items()})
+    _load(path, sd)
+    hyper = {f: sd[k] for k, f in fields.items()}
+    if "adamw_betas" in hyper:
+        hyper["adamw_betas"] = tuple(hyper["adamw_betas"])
+    config = dataclasses.replace(state.config, **hyper)
+    # the same object when nothing changed: a compiled step guarded on it need not recompile
+    return new._replace(config=state.config if config == state.config else config)
+
+
+def _kinds(state: State) -> list[str]:
+    """The param-group kinds a plan has (the object API makes a group only when non-empty)."""
+    fp = state.plan
+    return [k for k, has in (("muon", fp.muon), ("adamw", set(fp.names) - fp.muon)) if has]
+
+
+def _counters_of(state: State) -> tuple[torch.Tensor, torch.Tensor]:
+    """The State's guard counters (zeros for a State built without them)."""
+    device = next(iter(state.params.values())).device
+    fresh = counters(device)
+    got = (state.skipped_steps, state.grad_norm)
+    return tuple(f if g is None else g.clone() for f, g in zip(fresh, got, strict=True))
 
 
 def _require(model: nn.Module, optimizer: Muon) -> DedicatedState:
@@ -168,14 +243,15 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _state_dict(state: State, *, load: bool) -> dict[str, torch.Tensor]:
     """This rank's part of a functional State: each value on its global owner (load: every local
-    owner), its optimizer state on the global owner."""
+    owner), its optimizer state on the global owner; the counters on every rank."""
     fp, sd = state.plan, {}
     for n in fp.names:
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
             sd[f"model.{n}"] = state.params[n]
         if fp.is_global_owner(n):
-            s = state.opt[n]
-            sd.update({f"optim.{n}.{k}": v for k, v in zip(s._fields, s, strict=True)})
+            sd.update({f"optim.{n}.{k}": v for k, v in state_items(state.opt[n]).items()})
+    skipped, norm = (state.skipped_steps, state.grad_norm) if load else _counters_of(state)
+    sd.update({"optim.skipped_steps": skipped, "optim.grad_norm": norm})
     return sd
 
 
@@ -183,9 +259,9 @@ def _state_shapes(state: State) -> dict[str, tuple]:
     fp, shapes = state.plan, {}
     for n in fp.names:
         shapes[f"model.{n}"] = fp.shape(n)
-        s = state.opt[n]
-        for k, v in zip(s._fields, s, strict=True):
+        for k, v in state_items(state.opt[n]).items():
             shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else fp.shape(n)
+    shapes.update({"optim.skipped_steps": (), "optim.grad_norm": ()})
     return shapes
 
 
@@ -205,10 +281,7 @@ def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:
     }
     for k, shape in want.items():
         if k not in saved:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r} has no {k!r}: it was saved from a model with "
-                "other parameter names (or another optimizer)"
-            )
+            raise ValueError(f"checkpoint {os.fspath(path)!r} has no {k!r}: {_why(k, saved)}")
         if saved[k] != shape:
             raise ValueError(
                 f"checkpoint {os.fspath(path)!r}: {k!r} has shape {saved[k]}, the model's is "
@@ -220,6 +293,27 @@ def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:
             f"checkpoint {os.fspath(path)!r} has {extra[0]!r}, which this model lacks "
             f"({len(extra)} such keys)"
         )
+
+
+def _why(key: str, saved: dict[str, tuple]) -> str:
+    """Why a checkpoint lacks `key`: another optimizer for that parameter, or another model."""
+    if key.startswith("optim."):
+        name = key[len("optim.") :].rsplit(".", 1)[0]
+        if f"model.{name}" in saved:
+            kinds = {k: t.__name__[: -len("State")] for t, ks in STATE_KEYS.items() for k in ks}
+            theirs = sorted(
+                {
+                    kinds.get(k.rsplit(".", 1)[1], "?")
+                    for k in saved
+                    if k.startswith(f"optim.{name}.")
+                }
+            )
+            return (
+                f"{name} was saved with {'/'.join(theirs)} state, this run gives it "
+                f"{kinds.get(key.rsplit('.', 1)[1], '?')}: plan (or dedicate_params) with the "
+                "predicate the checkpoint was saved with"
+            )
+    return "it was saved from a model with other parameter names (or another optimizer)"
 
 
 def _distributed() -> bool:

@@ -30,7 +30,7 @@ from custom_ops._collectives import broadcast_into
 
 from . import _fsdp_adapter as fsdp
 from ._dispatch import agreed_aspect
-from ._entries import Entry, check_meshes
+from ._entries import Entry, check_dtypes, check_meshes, master_dtype
 from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
 from ._guard import phase
 from ._partition import layer_keys, partition
@@ -80,9 +80,7 @@ def dedicate_params(
     if predicate is None and not pure:
         raise ValueError("pass a predicate(name, param) -> bool, or pure=True to dedicate all")
     check_meshes(mesh, replicate_mesh)
-    for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
-            raise ValueError(f"{what} must be a floating torch.dtype or None, got {dt!r}")
+    check_dtypes(param_dtype, reduce_dtype)
 
     seen: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -136,7 +134,7 @@ def dedicate_params(
         e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
         device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
-            data = old.detach().to(device, torch.promote_types(old.dtype, torch.float32), copy=True)
+            data = old.detach().to(device, master_dtype(old.dtype), copy=True)
         elif st.is_local_owner(e):
             data = old.detach().to(device, dt, copy=True)
         else:

@@ -94,6 +94,19 @@ class Topology:
         return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica
 
 
+def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    """Mixed-precision dtypes: floating torch dtypes or None (both faces take the same)."""
+    for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise ValueError(f"{what} must be a floating torch.dtype or None, got {dt!r}")
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the global owner keeps a parameter of `dtype` in under mixed precision: the dtype
+    promoted to at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
     """A 1-D shard mesh, and under HSDP a 1-D replicate mesh: the two dims of one 2-D mesh
     named ('replicate', 'shard') that together span the world."""

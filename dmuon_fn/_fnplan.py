@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ._partition import Plan
 
 Route = tuple[int, int, int, int, int, int]
@@ -25,6 +27,18 @@ class FnPlan:
     shard_size: int
     replicate_size: int
     partition: Plan
+    # mixed precision (None: the model dtype throughout, no separate master)
+    param_dtype: torch.dtype | None = None  # what is gathered and computed with
+    reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
+
+    def compute(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a held value, master or placeholder) as it is gathered: in `param_dtype`."""
+        return t if self.param_dtype is None else t.to(self.param_dtype)
+
+    def summed(self, g: torch.Tensor) -> torch.Tensor:
+        """A gradient `g` as it is reduced: in `reduce_dtype` (default `param_dtype`)."""
+        dt = self.reduce_dtype or self.param_dtype
+        return g if dt is None else g.to(dt)
 
     def route(self, name: str) -> Route:
         return self.routes[self.names.index(name)]

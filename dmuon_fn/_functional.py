@@ -34,19 +34,23 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _guard as guard
 from ._dispatch import agreed_aspect, gram_min_aspect, setup_field
-from ._entries import check_meshes
+from ._entries import check_dtypes, check_meshes, master_dtype
 from ._fnplan import FnPlan
 from ._functional_z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 from ._orthogonalize import NSConfig
 from ._partition import partition
 from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field
-from ._update import AdamWState, MuonState, adamw_update, muon_update
+from ._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 
 
 @dataclass(frozen=True)
 class Config:
-    """Hyperparameters that are not per-step tensors."""
+    """Hyperparameters. `lr` and `adamw_lr` are the defaults of `update`'s per-step arguments
+    (pass them there as tensors to schedule without recompiling); a checkpoint records them with
+    the rest (dmuon_fn._checkpoint)."""
 
+    lr: float = 0.02
+    adamw_lr: float | None = None  # None: lr
     momentum: float = 0.95
     nesterov: bool = True
     weight_decay: float = 0.0
@@ -60,6 +64,12 @@ class Config:
     nonfinite: str = "skip"  # "skip": a non-finite gradient anywhere leaves the state unchanged
 
     def __post_init__(self) -> None:
+        for name in ("lr", "adamw_lr", "momentum", "weight_decay", "adamw_eps"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0.0:
+                raise ValueError(f"Config.{name} must be >= 0, got {value!r}")
+        if not all(0.0 <= b < 1.0 for b in self.adamw_betas):
+            raise ValueError(f"Config.adamw_betas must lie in [0, 1), got {self.adamw_betas!r}")
         guard.check_max_norm(self.max_grad_norm)
         if self.nonfinite not in ("skip", "ignore"):
             raise ValueError(
@@ -69,10 +79,18 @@ class Config:
 
 
 class State(NamedTuple):
+    """params: the master on each parameter's global owner (in the model dtype, or promoted to at
+    least fp32 under `plan(param_dtype=...)`), the `param_dtype` copy on the other replicas'
+    local owners, 0-size elsewhere. The counters, as the object API's: steps skipped for a
+    non-finite gradient (int64) and the last global gradient norm taken (float32), 0-d on every
+    rank; `update` maintains them when it takes the norm (None: not counted)."""
+
     params: dict[str, torch.Tensor]
     opt: dict[str, MuonState | AdamWState]
     plan: FnPlan
     config: Config
+    skipped_steps: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
 
 
 def plan(
@@ -81,12 +99,20 @@ def plan(
     predicate: Callable[[str, nn.Parameter], bool] | None = None,
     *,
     replicate_mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> FnPlan:
     """Plan ownership of every parameter of `model` (names in `named_parameters()` order).
 
     mesh None: one process. predicate(name, param) selects the Muon matrices (default: every
     parameter with 2+ dims); the rest take AdamW.
+    param_dtype / reduce_dtype: mixed precision, as `dedicate_params`: every parameter is
+    gathered and computed with in `param_dtype` (e.g. bf16) while its global owner keeps the
+    master in the model dtype promoted to at least fp32 (and the optimizer state in
+    `Config.state_dtype`); gradients are summed in `reduce_dtype` (default: param_dtype's).
+    None (default): the model dtype throughout, no separate master.
     """
+    check_dtypes(param_dtype, reduce_dtype)
     named = list(model.named_parameters())
     if not named:
         raise ValueError("the model has no parameters to plan")
@@ -134,29 +160,23 @@ def plan(
         shard_size=G,
         replicate_size=R,
         partition=part,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
     )
 
 
 def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
-    """Parameters and optimizer state for this rank: real where it owns, 0-size elsewhere."""
+    """Parameters and optimizer state for this rank: real where it owns, 0-size elsewhere (see
+    `State`)."""
     config = config or Config()
     params, opt = {}, {}
     named = dict(model.named_parameters())
     for name in fn_plan.names:
         p = named[name].detach()
-        local = p.clone() if fn_plan.is_local_owner(name) else p.new_empty(0)
-        params[name] = local
-        sd = config.state_dtype
-        full = fn_plan.is_global_owner(name)
-        like = local if full else local.new_empty(0)
-        if name in fn_plan.muon:
-            opt[name] = MuonState(torch.zeros_like(like, dtype=sd))
-        else:
-            opt[name] = AdamWState(
-                torch.zeros((), dtype=torch.float32, device=local.device),
-                torch.zeros_like(like, dtype=sd),
-                torch.zeros_like(like, dtype=sd),
-            )
+        params[name] = local = _held(p, name, fn_plan)
+        like = local if fn_plan.is_global_owner(name) else local.new_empty(0)
+        init_state = muon_init if name in fn_plan.muon else adamw_init
+        opt[name] = init_state(like, dtype=config.state_dtype)
     device = next(iter(params.values())).device
     kernel, error = kernel_field(config.ns.kernel, device)
     if fn_plan.shard_size * fn_plan.replicate_size > 1:
@@ -165,7 +185,18 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
         )
     if error is not None:
         raise error
-    return State(params, opt, fn_plan, config)
+    counters = guard.counters(device)
+    return State(params, opt, fn_plan, config, *counters)
+
+
+def _held(p: torch.Tensor, name: str, fn_plan: FnPlan) -> torch.Tensor:
+    """What this rank holds of parameter `p` (`State.params`)."""
+    dt = fn_plan.param_dtype
+    if dt is None:
+        return p.clone() if fn_plan.is_local_owner(name) else p.new_empty(0)
+    if fn_plan.is_global_owner(name):
+        return p.to(master_dtype(p.dtype), copy=True)
+    return p.to(dt, copy=True) if fn_plan.is_local_owner(name) else p.new_empty(0, dtype=dt)
 
 
 def gather_all(params: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
@@ -215,29 +246,38 @@ def update(
     grads: dict[str, torch.Tensor],
     state: State,
     *,
-    lr: torch.Tensor | float,
+    lr: torch.Tensor | float | None = None,
     adamw_lr: torch.Tensor | float | None = None,
     weight_decay: torch.Tensor | float | None = None,
     adamw_weight_decay: torch.Tensor | float | None = None,
 ) -> State:
-    """One optimizer step (pure): Muon or AdamW on the parameters this rank owns, then (HSDP)
-    the publish to the other replicas. adamw_lr defaults to lr.
+    """One optimizer step (pure): Muon or AdamW on the parameters this rank owns (on the
+    masters under mixed precision), then (HSDP) the publish to the other replicas, in
+    `param_dtype`. Each argument left None takes the Config's value (adamw_lr: Config.adamw_lr,
+    else lr).
 
     With `Config.max_grad_norm` the gradients are first clipped by the global norm; with
     `Config.nonfinite="skip"` (default) a non-finite gradient anywhere returns every parameter
-    and all optimizer state unchanged on every rank (masked on device). Either costs one
-    in-graph all-reduce of a float64 scalar per mesh dimension (`global_grad_norm`)."""
+    and all optimizer state unchanged on every rank (masked on device), counted in
+    `State.skipped_steps`. Either costs one in-graph all-reduce of a float64 scalar per mesh
+    dimension (`global_grad_norm`) and records the norm in `State.grad_norm`."""
     p_, cfg = state.plan, state.config
-    adamw_lr = lr if adamw_lr is None else adamw_lr
+    lr = cfg.lr if lr is None else lr
+    if adamw_lr is None:
+        adamw_lr = lr if cfg.adamw_lr is None else cfg.adamw_lr
     wd = cfg.weight_decay if weight_decay is None else weight_decay
     awd = cfg.adamw_weight_decay if adamw_weight_decay is None else adamw_weight_decay
     ok, sq = None, None
+    skipped, norm = state.skipped_steps, state.grad_norm
     if cfg.max_grad_norm is not None or cfg.nonfinite == "skip":
         sq = _global_sq(grads, p_)
         if cfg.max_grad_norm is not None:
             coef = guard.clip_coefficient(sq.sqrt(), cfg.max_grad_norm)
             grads = {n: g * coef.to(g.dtype) for n, g in grads.items()}
         ok = torch.isfinite(sq) if cfg.nonfinite == "skip" else None
+        norm = None if norm is None else sq.sqrt().to(norm.dtype)
+        if ok is not None and skipped is not None:
+            skipped = skipped + (~ok).to(skipped.dtype)
     params, opt = dict(state.params), dict(state.opt)
     for name in p_.names:
         if not (p_.is_global_owner(name) and name in p_.trainable):
@@ -271,7 +311,7 @@ def update(
         # after this step's gradient reduce through `after`
         routes = [(r[3], r[4], r[5], 0, 1, 1) for r in (p_.route(n) for n in mine)]
         outs = torch.ops.dmuon.owner_broadcast(
-            [params[n] for n in mine],
+            [p_.compute(params[n]) for n in mine],
             _flat(p_.shape(n) for n in mine),
             [len(p_.shape(n)) for n in mine],
             _flat(routes),
@@ -280,8 +320,9 @@ def update(
             # would otherwise have the two collectives unordered in its graph
             after=[grads[n] for n in p_.names] + ([] if sq is None else [sq]),
         )
-        params.update(zip(mine, outs, strict=True))
-    return State(params, opt, p_, cfg)
+        # the other replicas take the published copy; the global owner keeps its master
+        params.update((n, o) for n, o in zip(mine, outs, strict=True) if not p_.is_global_owner(n))
+    return State(params, opt, p_, cfg, skipped, norm)
 
 
 def global_grad_norm(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:

@@ -101,7 +101,12 @@ def _gather(params, names, fn_plan, token=None, after=None):
     full = [fn_plan.shape(n) for n in names]
     shapes, ndims, routes, extra = _entries(full, names, fn_plan, token)
     outs = torch.ops.dmuon.owner_broadcast(
-        [params[n] for n in names] + extra, shapes, ndims, routes, fn_plan.group, after=after
+        [fn_plan.compute(params[n]) for n in names] + extra,
+        shapes,
+        ndims,
+        routes,
+        fn_plan.group,
+        after=after,
     )
     return _by_name(names, outs, token)
 
@@ -112,7 +117,7 @@ def _reduce(grads, names, fn_plan, token=None):
     local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
     shapes, ndims, routes, extra = _entries(local, names, fn_plan, token)
     outs = torch.ops.dmuon.two_stage_reduce(
-        [grads[n] for n in names] + extra,
+        [fn_plan.summed(grads[n]) for n in names] + extra,
         shapes,
         ndims,
         routes,
@@ -135,7 +140,7 @@ def _start_gather(params, names, fn_plan, after):
     """Stage `names`' gathers, issued: their ticket."""
     full = [fn_plan.shape(n) for n in names]
     shapes, ndims, routes, _ = _entries(full, names, fn_plan, None)
-    locals_ = [params[n] for n in names]
+    locals_ = [fn_plan.compute(params[n]) for n in names]
     return torch.ops.dmuon.owner_broadcast_start(
         locals_, shapes, ndims, routes, fn_plan.group, after=after
     )
@@ -146,7 +151,7 @@ def _start_reduce(grads, names, fn_plan, after):
     local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
     shapes, ndims, routes, _ = _entries(local, names, fn_plan, None)
     return torch.ops.dmuon.two_stage_reduce_start(
-        [grads[n] for n in names],
+        [fn_plan.summed(grads[n]) for n in names],
         shapes,
         ndims,
         routes,
@@ -166,8 +171,9 @@ def _wait(ticket, like, rows, names, after):
     return dict(zip(names, outs, strict=True))
 
 
-def _empty_like(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
-    return {n: tensors[n].new_empty(0) for n in names}
+def _empty_like(tensors: dict[str, torch.Tensor], names, cast) -> dict[str, torch.Tensor]:
+    """0-size tensors in the dtype `cast` gives each of `tensors` (what a collective sends)."""
+    return {n: cast(tensors[n].new_empty(0)) for n in names}
 
 
 def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):
@@ -222,7 +228,7 @@ def _overlapped(stages, fn_plan: FnPlan):
 
     def run(params: dict[str, torch.Tensor], batch: Any):
         full_shapes = {n: [fn_plan.shape(n)] for names, _ in stages for n in names}
-        p_like = _empty_like(params, full_shapes)
+        p_like = _empty_like(params, full_shapes, fn_plan.compute)
 
         def gather_wait(ticket, names, after):
             return _wait(ticket, p_like, [full_shapes[n][0] for n in names], names, after)
@@ -259,7 +265,7 @@ def _overlapped(stages, fn_plan: FnPlan):
             g_full, cot = pull(cot)
             del pull
             chain = _start_reduce(g_full, names, fn_plan, [chain])
-            like = _empty_like(g_full, names)
+            like = _empty_like(g_full, names, fn_plan.summed)
             del g_full
             if pending is not None:  # the last stage's reduce traveled while this one ran
                 landed = _land(pending, grads, fn_plan, [chain, *landed])

@@ -71,6 +71,15 @@ def all_reduce_sum(t: Tensor, what: str) -> Tensor:
     return t
 
 
+def counters(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The guard's 0-d counters, zeroed: (steps skipped for a non-finite gradient, int64; the
+    last global gradient norm, float32). Device tensors: reading them syncs."""
+    return (
+        torch.zeros((), dtype=torch.int64, device=device),
+        torch.zeros((), dtype=torch.float32, device=device),
+    )
+
+
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
     """min(1, max_norm / (‖g‖ + 1e-6)), as torch.nn.utils.clip_grad_norm_ (float32)."""
     return (max_norm / (total_norm.float() + 1e-6)).clamp(max=1.0)

@@ -33,7 +33,16 @@ from ._dispatch import setup_field
 from ._orthogonalize import NSConfig
 from ._plan_check import check_setup_consistent, kernel_field
 from ._state import DedicatedState, dedicated_state
-from ._update import AdamWState, MuonState, adamw_update, muon_update
+from ._update import (
+    AdamWState,
+    MuonState,
+    adamw_init,
+    adamw_update,
+    muon_init,
+    muon_update,
+    state_from,
+    state_items,
+)
 
 
 class Muon(torch.optim.Optimizer):
@@ -98,8 +107,7 @@ class Muon(torch.optim.Optimizer):
         device = st.entries[0].param.device
         # last step's global gradient norm (before clipping) and the count of skipped steps:
         # device tensors, read them when logging (reading syncs)
-        self.grad_norm = torch.zeros((), device=device)
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped_steps, self.grad_norm = guard.counters(device)
         self._sq: torch.Tensor | None = None  # this step's Σ‖g‖², once taken
         self._clipped = False
         self.ns_calls = 0  # Newton-Schulz runs on this rank, for tests and benchmarks
@@ -159,24 +167,12 @@ class Muon(torch.optim.Optimizer):
         return e is None or self.st.is_global_owner(e)
 
     def _init_state(self, kind: str, p: torch.Tensor) -> dict[str, Any]:
+        """Zero state in `state_dtype` (0-size where this rank does not update `p`); the step
+        count lives on the parameter's device, so a masked (skipped) step never syncs."""
         dt = self.state_dtype or p.dtype
-        if not self._updates_here(p):
-            empty = torch.empty(0, dtype=dt, device=p.device)
-            if kind == "muon":
-                return {"momentum_buffer": empty}
-            return {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                "exp_avg": empty,
-                "exp_avg_sq": empty.clone(),
-            }
-        if kind == "muon":
-            return {"momentum_buffer": torch.zeros_like(p, dtype=dt)}
-        # the step count lives on the parameter's device, so a masked (skipped) step never syncs
-        return {
-            "step": torch.zeros((), dtype=torch.float32, device=p.device),
-            "exp_avg": torch.zeros_like(p, dtype=dt),
-            "exp_avg_sq": torch.zeros_like(p, dtype=dt),
-        }
+        like = p if self._updates_here(p) else torch.empty(0, dtype=dt, device=p.device)
+        init = muon_init if kind == "muon" else adamw_init
+        return state_items(init(like, dtype=dt))
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -205,7 +201,7 @@ class Muon(torch.optim.Optimizer):
                     new, ms = muon_update(
                         p,
                         p.grad,
-                        MuonState(state["momentum_buffer"]),
+                        state_from(MuonState, state),
                         lr=lr,
                         weight_decay=wd,
                         momentum=group["momentum"],
@@ -215,7 +211,8 @@ class Muon(torch.optim.Optimizer):
                     )
                     self.ns_calls += 1
                     _write(p, new, ok)
-                    _write(state["momentum_buffer"], ms.momentum, ok)
+                    for k, v in state_items(ms).items():
+                        _write(state[k], v, ok)
                 else:
                     lp, lg = fsdp.local(p), fsdp.local(p.grad)
                     m, v = fsdp.local(state["exp_avg"]), fsdp.local(state["exp_avg_sq"])

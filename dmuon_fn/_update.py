@@ -40,6 +40,24 @@ class AdamWState(NamedTuple):
     exp_avg_sq: Tensor
 
 
+# The optimizer state's names in a state dict (the object API's `optimizer.state[p]`, and both
+# faces' checkpoints), per field of the pure states, in field order.
+STATE_KEYS: dict[type, tuple[str, ...]] = {
+    MuonState: ("momentum_buffer",),
+    AdamWState: AdamWState._fields,
+}
+
+
+def state_items(state: MuonState | AdamWState) -> dict[str, Tensor]:
+    """A pure state as a state dict's entries ({"momentum_buffer": ...} for Muon)."""
+    return dict(zip(STATE_KEYS[type(state)], state, strict=True))
+
+
+def state_from(kind: type, items: dict[str, Tensor]) -> MuonState | AdamWState:
+    """The pure state of `kind` (MuonState or AdamWState) from a state dict's entries."""
+    return kind(*(items[k] for k in STATE_KEYS[kind]))
+
+
 def lr_scale(shape: torch.Size | tuple[int, ...], adjust_lr: str = "match_rms_adamw") -> float:
     """The per-matrix LR multiplier for a parameter of `shape` (trailing dims flattened)."""
     if adjust_lr not in _SCALES:

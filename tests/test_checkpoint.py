@@ -1,9 +1,12 @@
-"""Sharded DCP checkpoints (object and functional API) on gloo ranks.
+"""Sharded DCP checkpoints (object and functional API, one format) on gloo ranks.
 
 Loading moves values (and casts where the target dtype says so); it does no arithmetic, so every
-comparison here is exact (torch.equal with equal dtypes): the loaded full state against the saved
-one, on the same world, on 4 → 2, 2 → 4 and 1-D (4) → HSDP 2×2, and a resumed run against an
-uninterrupted one on the same mesh (same gloo reductions, same kernels: the same bits).
+comparison of a loaded state is exact (torch.equal with equal dtypes): the loaded full state
+against the saved one, on the same world, on 4 → 2, 2 → 4 and 1-D (4) → HSDP 2×2, across the two
+faces (object ↔ functional, same model and plan), and a resumed run against an uninterrupted one
+on the same mesh (same gloo reductions, same kernels: the same bits). A run resumed in the other
+face is compared with that face's uninterrupted run within fp32 rounding (the faces sum and
+scale in different orders).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon_fn as dmuon
+from dmuon_fn._checkpoint import HYPER
 from dmuon_fn._dispatch import cpu_dispatch
+from dmuon_fn._update import state_items
 from tests._dist import run_ranks
 from tests._models import HP, TinyMLP, batch, is_proj, make, meshes, muon_fp32
 
 N, M = 2, 2  # steps before the checkpoint, steps after it
-STATE_KEYS = ("momentum_buffer", "momentum", "step", "exp_avg", "exp_avg_sq")
+STATE_KEYS = ("momentum_buffer", "step", "exp_avg", "exp_avg_sq")
 BF16, FP32 = torch.bfloat16, torch.float32
 # object API: (model, model dtype, Muon state_dtype, pure)
 OBJ = {
@@ -35,9 +40,18 @@ OBJ = {
     "bf16_model": ("mlp", BF16, FP32, False),
     "bf16_state": ("mlp", FP32, BF16, False),
 }
-# functional API: (model, Config.state_dtype)
-FN = {"fn_mlp": ("mlp", FP32), "fn_tied_bf16_state": ("transformer", BF16)}
+# functional API: (model, Config.state_dtype, Muon predicate: None for every matrix)
+FN = {
+    "fn_mlp": ("mlp", FP32, None),
+    "fn_tied_bf16_state": ("transformer", BF16, None),
+    "fn_mlp_proj": ("mlp", FP32, is_proj),
+    "fn_tied": ("transformer", FP32, None),
+}
+# the same model and plan in both faces: each loads the other's checkpoint
+CROSS = {"mlp": "fn_mlp_proj", "tied_pure": "fn_tied"}
 CFG = dmuon.Config(
+    lr=HP["lr"],
+    adamw_lr=HP["adamw_lr"],
     momentum=HP["momentum"],
     weight_decay=HP["wd"],
     adamw_weight_decay=HP["adamw_wd"],
@@ -102,11 +116,11 @@ def _obj_full(model, opt):
     return out, consistent
 
 
-def _fn_build(world, hsdp, name, state_dtype):
+def _fn_build(world, hsdp, name, state_dtype, predicate):
     mesh, rep = meshes(world, hsdp)
     model = make(name)
     cfg = dataclasses.replace(CFG, state_dtype=state_dtype)
-    return model, dmuon.init(model, dmuon.plan(model, mesh, replicate_mesh=rep), cfg)
+    return model, dmuon.init(model, dmuon.plan(model, mesh, predicate, replicate_mesh=rep), cfg)
 
 
 def _fn_train(model, state, rank, name, start, stop):
@@ -114,24 +128,33 @@ def _fn_train(model, state, rank, name, start, stop):
         return torch.func.functional_call(model, params, (x,))
 
     for s in range(start, stop):
-        lr = 0.5 ** (s >= N)  # the schedule of _obj_train
         _, grads = dmuon.value_and_grad(loss_fn, state.plan)(state.params, batch(name, s, rank))
-        state = dmuon.update(grads, state, lr=HP["lr"] * lr, adamw_lr=HP["adamw_lr"] * lr)
+        state = dmuon.update(grads, state)  # lr and adamw_lr: the Config's
+        if s + 1 == N:  # the schedule of _obj_train, through the Config
+            lrs = {k: getattr(state.config, k) * 0.5 for k in ("lr", "adamw_lr")}
+            state = state._replace(config=dataclasses.replace(state.config, **lrs))
     return state
 
 
 def _fn_full(state):
+    """As `_obj_full`, keyed alike: the face's values, state, hyperparameters, counters."""
     out = {f"{n}.param": v for n, v in dmuon.full_params(state).items()}
     fp = state.plan
     for n in fp.names:
         s, r = o if isinstance(o := fp.partition.owner(n), tuple) else (o, 0)
         src = r * fp.shard_size + s
-        for k, v in zip(state.opt[n]._fields, state.opt[n], strict=True):
+        for k, v in state_items(state.opt[n]).items():
             shape = () if k == "step" else fp.shape(n)
             buf = v.clone() if fp.is_global_owner(n) else torch.empty(shape, dtype=v.dtype)
             if dist.is_initialized():
                 dist.broadcast(buf, src=src)
             out[f"{n}.{k}"] = buf
+    kinds = [k for k, has in (("muon", fp.muon), ("adamw", set(fp.names) - fp.muon)) if has]
+    for kind in kinds:
+        out[f"{kind}.kind"] = kind
+        out.update({f"{kind}.{k}": getattr(state.config, f) for k, f in HYPER[kind].items()})
+    out["guard.skipped_steps"] = state.skipped_steps.clone()
+    out["guard.grad_norm"] = state.grad_norm.clone()
     return out, True
 
 
@@ -185,12 +208,50 @@ def _load_only(rank, world, hsdp, root, name):
     return _fn_full(state), _fn_full(_fn_train(model, state, rank, spec, N, N + M))
 
 
+def _cross(rank, world, root):
+    """Each face loads the other's checkpoint of the same model and plan from `root` and trains
+    M steps: {loading case: (full state loaded, after M steps)}."""
+    out = {}
+    for obj, fn in CROSS.items():
+        model, state = _fn_build(world, False, *FN[fn])
+        state = dmuon.load_state(str(Path(root, obj)), state)
+        out[fn] = _fn_full(state), _fn_full(_fn_train(model, state, rank, FN[fn][0], N, N + M))
+        model, opt = _obj_build(world, False, *OBJ[obj])
+        dmuon.load_checkpoint(str(Path(root, fn)), model, opt)
+        loaded = _obj_full(model, opt)
+        _obj_train(model, opt, rank, OBJ[obj][0], N, N + M)
+        out[obj] = loaded, _obj_full(model, opt)
+    return out
+
+
+def _check_cross(cross, saved_from, continued, what):
+    """`cross` (from `_cross`) against the other face's saved state (exact) and the loading
+    face's run continued without a change of face (fp32 rounding)."""
+    other = CROSS | {fn: obj for obj, fn in CROSS.items()}
+    for name, (loaded, resumed) in cross.items():
+        _equal(loaded, saved_from[other[name]], f"{name} <- {other[name]}: {what}")
+        _close(resumed, continued[name], f"{name} <- {other[name]}: {what}, resumed")
+
+
 def _save_all(rank, world, hsdp, root, names=(*OBJ, *FN)):
     return {n: _saved_and_loaded(rank, world, hsdp, root, n) for n in names}
 
 
 def _load_all(rank, world, hsdp, root):
     return {name: _load_only(rank, world, hsdp, root, name) for name in (*OBJ, *FN)}
+
+
+def _close(got, want, what, tol=1e-5):
+    """As `_equal`, tensors within `tol` relative (max-norm) error."""
+    (g, _), (w, _) = got, want
+    assert g.keys() == w.keys(), what
+    for k, v in w.items():
+        if not torch.is_tensor(v):
+            assert g[k] == v, (what, k, g[k], v)
+            continue
+        assert g[k].dtype == v.dtype, (what, k)
+        err = (g[k].double() - v.double()).abs().max() / v.double().abs().max().clamp(min=1e-30)
+        assert err < tol, (what, k, float(err))
 
 
 def _equal(got, want, what):
@@ -229,7 +290,8 @@ def ckpt4(tmp_path_factory):
 
 
 def _load_and_save(rank, world, root4, root2):
-    return _load_all(rank, world, False, root4), _save_all(rank, world, False, root2)
+    loaded = _load_all(rank, world, False, root4)
+    return loaded, _save_all(rank, world, False, root2), _cross(rank, world, root4)
 
 
 @pytest.fixture(scope="module")
@@ -255,25 +317,47 @@ def test_reshard_4_to_2(ckpt4, ckpt2):
             _equal(loaded, ckpt4[1][0][name][0], f"{name}: 4 -> 2")
 
 
+def _saved(results) -> dict:
+    return {name: r[0] for name, r in results.items()}
+
+
+def _after(results) -> dict:
+    return {name: r[2] for name, r in results.items()}
+
+
+@pytest.mark.slow
+def test_each_face_loads_the_other_4_to_2(ckpt4, ckpt2):
+    """Object → functional and functional → object across a world change: the loaded state is
+    the saved one; 2 more steps at world 2 equal the loading face's own resume of its own
+    world-4 checkpoint (its run with no change of face)."""
+    saved4 = _saved(ckpt4[1][0])
+    for own_resume, _, cross in ckpt2[1]:
+        resumed = {name: r[1] for name, r in own_resume.items()}
+        _check_cross(cross, saved4, resumed, "4 -> 2")
+
+
 def _new_processes(rank, world, root4, root2):
-    """World 4: resume from the world-4 checkpoints, and load the world-2 ones (2 → 4)."""
-    return _load_all(rank, world, False, root4), _load_all(rank, world, False, root2)
+    """World 4: resume from the world-4 checkpoints, load the world-2 ones (2 → 4), and load
+    each face's world-4 checkpoint into the other."""
+    same = _load_all(rank, world, False, root4)
+    return same, _load_all(rank, world, False, root2), _cross(rank, world, root4)
 
 
 @pytest.mark.slow
 def test_resume_in_new_processes_and_reshard_2_to_4(ckpt4, ckpt2):
-    for same, from2 in run_ranks(_new_processes, 4, str(ckpt4[0]), str(ckpt2[0])):
+    for same, from2, cross in run_ranks(_new_processes, 4, str(ckpt4[0]), str(ckpt2[0])):
         for name, (loaded, resumed) in same.items():
             saved, _, after, _ = ckpt4[1][0][name]
             _equal(loaded, saved, f"{name}: reload")
             _equal(resumed, after, f"{name}: resumed in new processes")
         for name, (loaded, _) in from2.items():
             _equal(loaded, ckpt2[1][0][1][name][0], f"{name}: 2 -> 4")
+        _check_cross(cross, _saved(ckpt4[1][0]), _after(ckpt4[1][0]), "4 -> 4")
 
 
 def _hsdp(rank, world, root4, root_h):
     # HSDP's own cases: replicas of masters (fp32 and bf16 models), pure routing, functional
-    own = ("mlp", "tied_pure", "bf16_model", "fn_mlp")
+    own = ("mlp", "tied_pure", "bf16_model", "fn_mlp", "fn_tied")
     return _load_all(rank, world, True, root4), _save_all(rank, world, True, root_h, own)
 
 
@@ -289,14 +373,23 @@ def test_reshard_1d_to_hsdp_and_hsdp_resume(ckpt4, tmp_path):
             _equal(resumed, after, f"{name}: HSDP resumed")
 
 
-def _global_owners(name, pure, world, aspect):
-    """{name: global rank} of the dedicated parameters: the plan is a pure function of shapes
-    (and of the Gram ratio of the job's NS dispatch, which its cost model charges)."""
+def _global_owners(name, dedicated, muon, world, aspect):
+    """{name: global rank} of the parameters `dedicated(n, p)` selects, `muon(n, p)` of them
+    matrices for Muon: the plan is a pure function of shapes (and of the Gram ratio of the
+    job's NS dispatch, which its cost model charges)."""
     named = dict(make(name).named_parameters())
-    mine = {n: tuple(p.shape) for n, p in named.items() if pure or is_proj(n, p)}
-    ew = [n for n, s in mine.items() if len(s) < 2]
+    mine = {n: tuple(p.shape) for n, p in named.items() if dedicated(n, p)}
+    ew = [n for n in mine if not muon(n, named[n])]
     plan = dmuon.partition(mine, world, elementwise=ew, gram_min_aspect=aspect)
     return {n: plan.owner(n) for n in mine}
+
+
+def _every(n, p):
+    return True
+
+
+def _matrix(n, p):
+    return p.ndim >= 2
 
 
 @pytest.mark.slow
@@ -304,9 +397,10 @@ def test_every_value_is_written_once_by_its_holder(ckpt4):
     """A dedicated value and its state sit in their global owner's file only; every saved
     tensor's chunks tile it exactly once (FSDP2 replicas and replicated step counts deduplicated
     by DCP), so no rank wrote a value it does not own."""
-    cases = {n: (s[0], s[3]) for n, s in OBJ.items()} | {n: (s[0], True) for n, s in FN.items()}
-    for name, (spec, pure) in cases.items():
-        owners = _global_owners(spec, pure, 4, ckpt4[2])
+    cases = {n: (s[0], _every if s[3] else is_proj, _matrix) for n, s in OBJ.items()}
+    cases |= {n: (s[0], _every, s[2] or _matrix) for n, s in FN.items()}
+    for name, (spec, dedicated, muon) in cases.items():
+        owners = _global_owners(spec, dedicated, muon, 4, ckpt4[2])
         md = dcp.FileSystemReader(str(Path(ckpt4[0], name))).read_metadata()
         files = {}
         for idx, item in md.storage_data.items():
@@ -360,6 +454,20 @@ def test_errors_name_the_mismatch(tmp_path):
     other = TinyMLP(ff=48)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.gate_proj\.weight' has shape"):
         dmuon.load_state(tmp_path / "fn", dmuon.init(other, dmuon.plan(other), CFG))
+    # a parameter planned for the other optimizer: the error says which and what to do
+    proj = dmuon.init(model, dmuon.plan(model, predicate=is_proj), CFG)
+    with pytest.raises(ValueError, match=r"head\.weight was saved with Muon state, this run gives"):
+        dmuon.load_state(tmp_path / "fn", proj)
+    # the hyperparameters: the per-step values given to save_state, else the Config's
+    dmuon.save_state(tmp_path / "lr", proj, lr=torch.tensor(0.125), adamw_weight_decay=0.5)
+    cfg = dmuon.load_state(tmp_path / "lr", dmuon.init(model, proj.plan, dmuon.Config())).config
+    assert (cfg.lr, cfg.adamw_lr, cfg.adamw_weight_decay) == (0.125, HP["adamw_lr"], 0.5)
+    assert (cfg.momentum, cfg.weight_decay, cfg.nesterov) == (HP["momentum"], HP["wd"], True)
+    assert cfg.adamw_betas == CFG.adamw_betas and cfg.adamw_eps == CFG.adamw_eps
+    loaded = dmuon.load_state(tmp_path / "lr", proj)
+    assert loaded.config is not proj.config and loaded.config.lr == 0.125
+    same = dmuon.load_state(tmp_path / "fn", dmuon.init(model, dmuon.plan(model), CFG))
+    assert same.config is CFG  # unchanged hyperparameters: the same Config
 
 
 def _to_world_1(rank, world, root4):
@@ -367,7 +475,7 @@ def _to_world_1(rank, world, root4):
     model, opt = _obj_build(1, False, "mlp", FP32, BF16, False)
     dmuon.load_checkpoint(str(Path(root4, "mlp")), model, opt)
     full, _ = _obj_full(model, opt)
-    s2 = _fn_build(1, False, "mlp", BF16)[1]
+    s2 = _fn_build(1, False, "mlp", BF16, None)[1]
     fn, _ = _fn_full(dmuon.load_state(str(Path(root4, "fn_mlp")), s2))
     return full, fn
 
