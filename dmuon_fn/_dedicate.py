@@ -30,9 +30,10 @@ from custom_ops._collectives import broadcast_into
 
 from . import _fsdp_adapter as fsdp
 from ._dispatch import agreed_aspect
-from ._entries import Entry, check_dtypes, check_meshes, master_dtype
+from ._entries import Entry
 from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
 from ._guard import phase
+from ._mesh import check_dtypes, check_meshes, master_dtype
 from ._partition import layer_keys, partition
 from ._plan_check import check_plan_consistent
 from ._schedule import Scheduler, make_groups, make_units

@@ -34,9 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _guard as guard
 from ._dispatch import agreed_aspect, gram_min_aspect, setup_field
-from ._entries import check_dtypes, check_meshes, master_dtype
 from ._fnplan import FnPlan
 from ._functional_z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
+from ._mesh import check_dtypes, check_meshes, master_dtype
 from ._orthogonalize import NSConfig
 from ._partition import partition
 from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field

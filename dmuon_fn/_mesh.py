@@ -1,0 +1,56 @@
+"""Conventions both faces share, below both (`_dedicate` and `_functional`): the mesh shapes
+they accept and the mixed-precision dtypes (what is gathered, summed, and kept as the master).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    """Mixed-precision dtypes: floating torch dtypes or None (both faces take the same)."""
+    for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise ValueError(f"{what} must be a floating torch.dtype or None, got {dt!r}")
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the global owner keeps a parameter of `dtype` in under mixed precision: the dtype
+    promoted to at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
+    """A 1-D shard mesh, and under HSDP a 1-D replicate mesh: the two dims of one 2-D mesh
+    named ('replicate', 'shard') that together span the world."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be a 1-D DeviceMesh (for HSDP pass hsdp['shard'] and "
+            f"replicate_mesh=hsdp['replicate']), got {mesh!r}"
+        )
+    if replicate_mesh is None:
+        return
+    if not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1:
+        raise ValueError(f"replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
+    names = (mesh.mesh_dim_names, replicate_mesh.mesh_dim_names)
+    if names != (("shard",), ("replicate",)):
+        raise ValueError(
+            "HSDP needs a 2-D mesh named ('replicate', 'shard'): build it with "
+            "init_device_mesh(dev, (R, G), mesh_dim_names=('replicate', 'shard')) and pass "
+            f"mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']; got dim names {names}"
+        )
+    if mesh.size() * replicate_mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks) "
+            f"disagree with the world size {dist.get_world_size()}: they must be the 'shard' and "
+            "'replicate' dims of one 2-D mesh"
+        )
+    shard_ranks = set(mesh.mesh.flatten().tolist())
+    rep_ranks = set(replicate_mesh.mesh.flatten().tolist())
+    if shard_ranks & rep_ranks != {dist.get_rank()}:
+        raise ValueError(
+            "mesh and replicate_mesh disagree: they must be the 'shard' and 'replicate' dims of "
+            "the same 2-D mesh (their groups must cross in exactly this rank)"
+        )
