@@ -5,7 +5,12 @@ from ._backend import get_ns_backend
 from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
 from ._coefficients import PRESETS
 from ._comm import CommCounter, CommTimer
-from ._dedicate import dedicate_params, set_requires_gradient_sync, wait_gradients
+from ._dedicate import (
+    dedicate_params,
+    plan_summary,
+    set_requires_gradient_sync,
+    wait_gradients,
+)
 from ._functional import (
     Config,
     FnPlan,
@@ -22,6 +27,7 @@ from ._optim import Muon
 from ._orthogonalize import NSConfig, orthogonalize
 from ._partition import Plan, partition
 from ._plan_check import PlanMismatchError, check_plan_consistent
+from ._summary import PlanSummary, measure_gemm_flops
 from ._update import (
     AdamWState,
     MuonState,
@@ -46,6 +52,7 @@ __all__ = [
     "NSConfig",
     "Plan",
     "PlanMismatchError",
+    "PlanSummary",
     "State",
     "adamw_init",
     "adamw_update",
@@ -57,11 +64,13 @@ __all__ = [
     "init",
     "load_checkpoint",
     "load_state",
+    "measure_gemm_flops",
     "muon_init",
     "muon_update",
     "orthogonalize",
     "partition",
     "plan",
+    "plan_summary",
     "save_checkpoint",
     "save_state",
     "set_requires_gradient_sync",

@@ -38,9 +38,11 @@ from ._partition import layer_keys, partition
 from ._plan_check import check_plan_consistent
 from ._schedule import Scheduler, make_groups, make_units
 from ._state import STATE_ATTR, DedicatedState, dedicated_state
+from ._summary import PlanSummary
+from ._summary import plan_summary as _summarize
 
 Predicate = Callable[[str, nn.Parameter], bool]
-__all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state"]
+__all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state", "plan_summary"]
 
 
 def dedicate_params(
@@ -242,3 +244,13 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     """
     _state_of(model).scheduler.set_sync(requires_gradient_sync)
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
+
+
+def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSummary:
+    """The readable plan (dmuon_fn/_summary.py) of a model prepared by `dedicate_params`, of an
+    `FnPlan` (from `plan`), or of a `Plan` (from `partition`). gemm_flops: FLOP/s of one
+    device's GEMM in the NS iteration dtype (`measure_gemm_flops()`, or e.g. 4e14 for an H100
+    in bf16) adds the busiest rank's Newton-Schulz seconds per step."""
+    if isinstance(source, nn.Module):
+        source = _state_of(source).plan
+    return _summarize(source, gemm_flops=gemm_flops)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ._partition import Plan
+from ._summary import PlanSummary, plan_summary
 
 Route = tuple[int, int, int, int, int, int]
 
@@ -39,6 +40,14 @@ class FnPlan:
         """A gradient `g` as it is reduced: in `reduce_dtype` (default `param_dtype`)."""
         dt = self.reduce_dtype or self.param_dtype
         return g if dt is None else g.to(dt)
+
+    def summary(self, gemm_flops: float | None = None) -> PlanSummary:
+        """Who owns what and each rank's Newton-Schulz share, as a table (`str`) and as data
+        (`.as_dict()`); with gemm_flops (FLOP/s) the busiest rank's seconds per step."""
+        return plan_summary(self.partition, gemm_flops=gemm_flops)
+
+    def __str__(self) -> str:
+        return str(self.summary())
 
     def route(self, name: str) -> Route:
         return self.routes[self.names.index(name)]

@@ -87,16 +87,20 @@ def param_cost(
     gram_min_aspect: float = GRAM_MIN_ASPECT,
 ) -> float:
     """Cost (FLOPs) of owning one parameter of `shape`: the model in the module docstring."""
-    numel = math.prod(shape)
-    byte_term = flops_per_byte * numel * bytes_per_elem
+    byte_term = flops_per_byte * math.prod(shape) * bytes_per_elem
     if not matrix:
         return byte_term
+    ns = _ns(shape, steps, method, sym_discount, gram_min_aspect)
+    return ns + byte_term
+
+
+def _ns(shape, steps, method, sym_discount, gram_min_aspect) -> float:
+    """Newton-Schulz FLOPs of a matrix of `shape` (trailing dims flattened)."""
     rows = shape[0]
-    flat = (rows, numel // rows)
-    flops = ns_flops(
+    flat = (rows, math.prod(shape) // rows)
+    return ns_flops(
         flat, steps=steps, method=method, sym_discount=sym_discount, min_aspect=gram_min_aspect
     )
-    return flops + byte_term
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,9 @@ class Plan:
     index, any replica) holds the full parameter after the update is published.
 
     Per parameter, in name order: names, shapes, slots (owner slot), layers (layer key), matrix
-    (Muon vs elementwise), costs (FLOPs), nbytes. Per slot: slot_loads (sum of costs),
-    slot_bytes (sum of bytes).
+    (Muon vs elementwise), costs (FLOPs), nbytes, ns_flops (the Newton-Schulz part of the
+    cost, 0 for elementwise params). Per slot: slot_loads (sum of costs), slot_bytes (sum of
+    bytes).
     """
 
     names: tuple[str, ...]
@@ -125,6 +130,7 @@ class Plan:
     replicate_size: int
     slot_loads: tuple[float, ...]
     slot_bytes: tuple[int, ...]
+    ns_flops: tuple[float, ...]
 
     @property
     def shard_size(self) -> int:
@@ -303,6 +309,8 @@ def partition(
     )
     costs = [param_cost(sh, matrix=m, **cost_kw) for (_, sh), m in zip(pairs, matrix, strict=True)]
     nbytes = [math.prod(sh) * bytes_per_elem for _, sh in pairs]
+    ns_kw = (steps, method, sym_discount, gram_min_aspect)
+    ns = [_ns(sh, *ns_kw) if m else 0.0 for (_, sh), m in zip(pairs, matrix, strict=True)]
 
     # Units in order of their first name: each matrix alone, a layer's other params together.
     unit_of, units, packs = [], [], {}
@@ -348,4 +356,5 @@ def partition(
         replicate_size=replicate_size,
         slot_loads=tuple(math.fsum(x) for x in loads),
         slot_bytes=tuple(sbytes),
+        ns_flops=tuple(ns),
     )

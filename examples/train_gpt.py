@@ -5,8 +5,9 @@ torchrun --nproc_per_node=4 examples/train_gpt.py [--steps 300] [--out examples/
 
 The text comes from examples/data/grammar.py (generated, nothing is downloaded); the last tenth
 is held out for validation. Every rank reads its own slice of each global batch; the validation
-loss is the mean over all ranks' slices of a fixed held-out set. Rank 0 shows progress on stderr
-and writes gpt_loss.png and gpt_summary.md to --out.
+loss is the mean over all ranks' slices of a fixed held-out set. Rank 0 prints the Muon run's
+plan (who owns which matrix, its Newton-Schulz cost at this machine's GEMM rate), shows progress
+on stderr and writes gpt_loss.png and gpt_summary.md to --out.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def build(args, device: str, mesh, muon: bool):
         # the hidden matrices (attention and MLP projections); embeddings, head and norms stay
         # with FSDP2 and take AdamW
         dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+        if dist.get_rank() == 0:  # the plan every rank runs, and its Newton-Schulz cost here
+            rate = dmuon.measure_gemm_flops(device)
+            print(dmuon.plan_summary(model, gemm_flops=rate), flush=True)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -66,6 +66,9 @@ def test_public_api_is_pinned():
             "global_grad_norm",
             "set_requires_gradient_sync",
             "wait_gradients",
+            "PlanSummary",
+            "plan_summary",
+            "measure_gemm_flops",
         ]
     )
     for name in dmuon_fn.__all__:

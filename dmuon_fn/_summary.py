@@ -1,0 +1,370 @@
+"""The plan a job runs, readable: which rank owns which matrix, each rank's Newton-Schulz FLOPs
+and bytes, and the bound the largest matrix sets (proofs/summary.md).
+
+`plan_summary(plan)` reads a `Plan` or an `FnPlan` (`dmuon_fn.plan_summary` also takes a model
+`dedicate_params` prepared) into a frozen `PlanSummary`: one row per owner slot and the job's
+totals. `str()` is a compact table that rank 0 prints once at setup; `as_dict()` is the same as
+JSON-ready data for logs. Given the FLOP/s of one device's GEMM in the Newton-Schulz
+iteration dtype (`measure_gemm_flops()` here, or a figure for the GPU a job will run on), it
+also states the busiest rank's Newton-Schulz seconds per step, before anything is launched.
+
+The FLOPs are the planner's own counts (`Plan.ns_flops`: the Newton-Schulz part of the cost it
+balanced, with the Gram ratio the job's dispatch planned with).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._backend import _default_device
+from ._dispatch import iteration_dtype, race
+from ._partition import Plan
+
+_FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
+_EDGE, _BUSIEST, _LEAST = 3, 4, 2  # first/last, busiest and least loaded slots then shown
+_NAME_WIDTH = 40
+
+
+@dataclass(frozen=True)
+class SlotSummary:
+    """One owner slot: global rank `slot` of a (replicate, shard) mesh; `owner` is that rank on a
+    1-D mesh, its (shard, replica) under HSDP.
+
+    matrices: names of the matrices it orthogonalizes (Newton-Schulz), in name order.
+    others: how many parameters it updates elementwise (norms, biases, elementwise matrices).
+    ns_flops: Newton-Schulz FLOPs per step of its matrices; share: of the job's (0 if none).
+    nbytes: fp32 master bytes (numel × the plan's bytes_per_elem, 4) of everything it owns
+        (under HSDP every rank of its shard column also holds these parameters between steps,
+        in the model dtype: `Plan.column_bytes`).
+    largest: its matrix with the most NS FLOPs (first in name order on ties), None if none.
+    """
+
+    slot: int
+    owner: int | tuple[int, int]
+    matrices: tuple[str, ...]
+    others: int
+    ns_flops: float
+    share: float
+    nbytes: int
+    largest: str | None
+    largest_shape: tuple[int, ...] | None
+    largest_ns_flops: float
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """A plan's per-slot rows (`slots`, index = slot) and the job's Newton-Schulz totals.
+
+    busiest/least: slots with the most/least NS FLOPs (lowest slot on ties). largest: the matrix
+    with the most NS FLOPs in the job. gemm_flops: FLOP/s of one device's GEMM, or None.
+    """
+
+    world_size: int
+    replicate_size: int
+    slots: tuple[SlotSummary, ...]
+    total_ns_flops: float
+    total_bytes: int
+    busiest: int
+    least: int
+    largest: str | None
+    largest_shape: tuple[int, ...] | None
+    largest_ns_flops: float
+    gemm_flops: float | None = None
+
+    @property
+    def busiest_ns_flops(self) -> float:
+        return self.slots[self.busiest].ns_flops
+
+    @property
+    def mean_ns_flops(self) -> float:
+        return self.total_ns_flops / self.world_size
+
+    @property
+    def bound_ns_flops(self) -> float:
+        """max(largest matrix, mean): no partition's busiest slot has less (a matrix is
+        orthogonalized whole, on one slot; some slot carries at least the mean)."""
+        return max(self.largest_ns_flops, self.mean_ns_flops)
+
+    @property
+    def imbalance(self) -> float:
+        """busiest / mean, >= 1; 1.0 when there is no Newton-Schulz work."""
+        return self.busiest_ns_flops / self.mean_ns_flops if self.total_ns_flops else 1.0
+
+    @property
+    def vs_bound(self) -> float:
+        """busiest / bound, >= 1: 1.0 means no partition could make the busiest slot lighter."""
+        return self.busiest_ns_flops / self.bound_ns_flops if self.total_ns_flops else 1.0
+
+    @property
+    def busiest_seconds(self) -> float | None:
+        """The busiest slot's Newton-Schulz seconds per step at `gemm_flops` (None without)."""
+        return None if self.gemm_flops is None else self.busiest_ns_flops / self.gemm_flops
+
+    @property
+    def bound_seconds(self) -> float | None:
+        return None if self.gemm_flops is None else self.bound_ns_flops / self.gemm_flops
+
+    def as_dict(self) -> dict:
+        """Plain data (lists, str, int, float, None): `json.dumps` takes it as it is."""
+        rows = [
+            {
+                "slot": r.slot,
+                "owner": list(r.owner) if isinstance(r.owner, tuple) else r.owner,
+                "matrices": list(r.matrices),
+                "others": r.others,
+                "ns_flops": r.ns_flops,
+                "share": r.share,
+                "nbytes": r.nbytes,
+                "largest": r.largest,
+                "largest_shape": None if r.largest_shape is None else list(r.largest_shape),
+                "largest_ns_flops": r.largest_ns_flops,
+            }
+            for r in self.slots
+        ]
+        return {
+            "world_size": self.world_size,
+            "replicate_size": self.replicate_size,
+            "matrices": sum(len(r.matrices) for r in self.slots),
+            "others": sum(r.others for r in self.slots),
+            "total_ns_flops": self.total_ns_flops,
+            "total_bytes": self.total_bytes,
+            "mean_ns_flops": self.mean_ns_flops,
+            "busiest_slot": self.busiest,
+            "busiest_ns_flops": self.busiest_ns_flops,
+            "least_slot": self.least,
+            "least_ns_flops": self.slots[self.least].ns_flops,
+            "largest_matrix": self.largest,
+            "largest_shape": None if self.largest_shape is None else list(self.largest_shape),
+            "largest_ns_flops": self.largest_ns_flops,
+            "bound_ns_flops": self.bound_ns_flops,
+            "imbalance": self.imbalance,
+            "vs_bound": self.vs_bound,
+            "gemm_flops": self.gemm_flops,
+            "busiest_seconds": self.busiest_seconds,
+            "bound_seconds": self.bound_seconds,
+            "slots": rows,
+        }
+
+    def __str__(self) -> str:
+        return "\n".join(_render(self))
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _plan_of(source: object) -> Plan:
+    """The `Plan` of a Plan or of an FnPlan (its `.partition`)."""
+    if isinstance(source, Plan):
+        return source
+    if isinstance(getattr(source, "partition", None), Plan):
+        return source.partition
+    raise ValueError(
+        "plan_summary takes a Plan (from partition), an FnPlan (from plan) or a model "
+        f"prepared by dedicate_params, got {type(source).__name__}"
+    )
+
+
+def _check_rate(gemm_flops: object) -> float | None:
+    if gemm_flops is None:
+        return None
+    if isinstance(gemm_flops, bool) or not isinstance(gemm_flops, int | float):
+        raise ValueError(f"gemm_flops must be a number of FLOP/s, got {gemm_flops!r}")
+    if not 0 < gemm_flops < math.inf:
+        raise ValueError(
+            f"gemm_flops must be finite and > 0 (FLOP/s, e.g. 4e14), got {gemm_flops!r}"
+        )
+    return float(gemm_flops)
+
+
+def _largest(idx: list[int], flops: list[float]) -> int | None:
+    """The index with the most NS FLOPs, the first (in name order) on ties; None if empty."""
+    return max(idx, key=lambda i: (flops[i], -i), default=None)
+
+
+def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummary:
+    """Per-slot rows and job totals of `plan`: a `Plan` (from `partition`) or an `FnPlan` (from
+    `plan`); pure, identical on every rank.
+
+    gemm_flops: FLOP/s of one device's GEMM in the NS iteration dtype (`measure_gemm_flops()`,
+        or e.g. 4e14 for an H100 in bf16); adds seconds per step.
+    """
+    plan = _plan_of(plan)
+    rate = _check_rate(gemm_flops)
+    n = len(plan.names)
+    flops = list(plan.ns_flops)
+    total = math.fsum(flops)
+    G, R = plan.shard_size, plan.replicate_size
+    members: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for i, s in enumerate(plan.slots):
+        members[s].append(i)
+    rows = []
+    for s, mine in enumerate(members):
+        mats = [i for i in mine if plan.matrix[i]]
+        ns = math.fsum(flops[i] for i in mats)
+        top = _largest(mats, flops)
+        rows.append(
+            SlotSummary(
+                slot=s,
+                owner=s if R == 1 else (s % G, s // G),
+                matrices=tuple(plan.names[i] for i in mats),
+                others=len(mine) - len(mats),
+                ns_flops=ns,
+                share=ns / total if total else 0.0,
+                nbytes=sum(plan.nbytes[i] for i in mine),
+                largest=None if top is None else plan.names[top],
+                largest_shape=None if top is None else plan.shapes[top],
+                largest_ns_flops=0.0 if top is None else flops[top],
+            )
+        )
+    top = _largest([i for i in range(n) if plan.matrix[i]], flops)
+    loads = [r.ns_flops for r in rows]
+    return PlanSummary(
+        world_size=plan.world_size,
+        replicate_size=R,
+        slots=tuple(rows),
+        total_ns_flops=total,
+        total_bytes=sum(plan.nbytes),
+        busiest=loads.index(max(loads)),
+        least=loads.index(min(loads)),
+        largest=None if top is None else plan.names[top],
+        largest_shape=None if top is None else plan.shapes[top],
+        largest_ns_flops=0.0 if top is None else flops[top],
+        gemm_flops=rate,
+    )
+
+
+def measure_gemm_flops(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    n: int | None = None,
+) -> float:
+    """FLOP/s of an n×n GEMM on `device` in `dtype`: 2n³ over the best of 3 timed runs after a
+    warm-up. An upper estimate of the NS iteration's rate (its products are this GEMM or
+    smaller, some symmetric).
+
+    device: default the current CUDA device, else the CPU. dtype: default the NS iteration dtype
+    the dispatch picks there (dmuon_fn/_dispatch.py; on a CPU, the first use on a machine
+    measures that once, ~1 s, then it is cached). n: default 1024 on a CPU (~0.1 s on 2 cores in
+    fp32), 8192 on CUDA (large enough to reach a GPU's GEMM rate).
+    """
+    device = _default_device() if device is None else torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"measure_gemm_flops runs on 'cpu' or 'cuda', got {device}: pass plan_summary a "
+            "gemm_flops figure instead"
+        )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be an int >= 1 (the GEMM's side) or None, got {n!r}")
+    dtype = iteration_dtype(device) if dtype is None else dtype
+    n = (8192 if device.type == "cuda" else 1024) if n is None else n
+    with torch.no_grad():
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
+
+        def gemm() -> None:
+            torch.mm(a, b, out=c)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        best = race({"gemm": gemm})["gemm"]
+    return 2.0 * n**3 / best
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+_SI = ("", "k", "M", "G", "T", "P", "E")
+_BINARY = ("", "Ki", "Mi", "Gi", "Ti", "Pi")
+
+
+def _scaled(x: float, unit: str, binary: bool = False) -> tuple[float, str]:
+    """(divisor, label) that put `x` in [1, 1000) with an SI prefix, or in [1, 1024) with a
+    binary one (KiB, MiB, ...)."""
+    base, prefixes = (1024.0, _BINARY) if binary else (1000.0, _SI)
+    k = 0
+    while k + 1 < len(prefixes) and abs(x) >= base ** (k + 1):
+        k += 1
+    return base**k, prefixes[k] + unit
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "" if shape is None else "x".join(map(str, shape))
+
+
+def _name(name: str) -> str:
+    return name if len(name) <= _NAME_WIDTH else "..." + name[-(_NAME_WIDTH - 3) :]
+
+
+def _shown(s: PlanSummary) -> list[int]:
+    """Slots in the table: all of a small job; else first/last few, busiest, least loaded."""
+    S = s.world_size
+    if S <= _FULL_TABLE:
+        return list(range(S))
+    by_load = sorted(range(S), key=lambda i: (-s.slots[i].ns_flops, i))
+    keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
+    keep |= {s.busiest, s.least}
+    return sorted(keep)
+
+
+def _render(s: PlanSummary) -> list[str]:
+    S, R = s.world_size, s.replicate_size
+    mesh = f" ({S // R} shards x {R} replicas)" if R > 1 else ""
+    tdiv, tunit = _scaled(s.total_bytes, "B", binary=True)
+    n_params = sum(len(r.matrices) + r.others for r in s.slots)
+    lines = [
+        f"dmuon plan: {S} ranks{mesh}, {n_params} params, "
+        f"{s.total_bytes / tdiv:.4g} {tunit} of fp32 masters"
+    ]
+    fdiv, funit = _scaled(max(s.busiest_ns_flops, 1.0), "FLOP")
+
+    def f(x: float) -> str:
+        return f"{x / fdiv:.4g} {funit}"
+
+    if s.total_ns_flops:
+        lines += [
+            f"Newton-Schulz per step: {sum(len(r.matrices) for r in s.slots)} matrices, "
+            f"{f(s.total_ns_flops)} in all, {f(s.mean_ns_flops)} mean per rank",
+            f"busiest rank {s.busiest}: {f(s.busiest_ns_flops)}, {s.imbalance:.2f}x the mean, "
+            f"{s.vs_bound:.3f}x the lower bound max(mean, largest matrix)",
+            f"largest matrix: {_shape(s.largest_shape)} {s.largest}, {f(s.largest_ns_flops)}",
+        ]
+        if s.gemm_flops is not None:
+            lines.append(
+                f"at {s.gemm_flops:.3g} FLOP/s per GEMM: the busiest rank's Newton-Schulz takes "
+                f"{_seconds(s.busiest_seconds)} per step (bound {_seconds(s.bound_seconds)})"
+            )
+    else:
+        lines.append("Newton-Schulz per step: none (no matrix in the plan)")
+    bdiv, bunit = _scaled(max(r.nbytes for r in s.slots), "B", binary=True)
+    who = "rank (s,r)" if R > 1 else "rank"
+    w = max(len(who), len(str(S - 1)))
+    lines.append(
+        f"{who:>{w}}  matrices  other  {'NS ' + funit:>9}   share  {bunit:>7}  largest matrix"
+    )
+    prev = -1
+    for i in _shown(s):
+        if i > prev + 1:
+            lines.append(f"{'':>{w}}  ... {i - prev - 1} ranks not shown (all in as_dict())")
+        r = s.slots[i]
+        label = f"{i} ({r.owner[0]},{r.owner[1]})" if R > 1 else str(i)
+        tag = " <- busiest" if i == s.busiest else " <- least" if i == s.least else ""
+        tag = tag if s.total_ns_flops else ""
+        largest = f"{_shape(r.largest_shape)} {_name(r.largest)}" if r.largest else "-"
+        lines.append(
+            f"{label:>{w}}  {len(r.matrices):8d}  {r.others:5d}  {r.ns_flops / fdiv:9.1f}  "
+            f"{100 * r.share:5.1f}%  {r.nbytes / bdiv:7.1f}  {largest}{tag}"
+        )
+        prev = i
+    if prev < S - 1:
+        lines.append(f"{'':>{w}}  ... {S - 1 - prev} ranks not shown (all in as_dict())")
+    return lines

@@ -1,0 +1,294 @@
+"""The plan summary (proofs/summary.md): its numbers against the plan it reads and against
+`ns_flops` counted independently, its table, its JSON, its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dmuon_fn
+from dmuon_fn._cost import ns_flops
+from dmuon_fn._partition import partition
+from dmuon_fn._state import STATE_ATTR, DedicatedState
+from dmuon_fn._summary import plan_summary
+
+PROPS = settings(max_examples=100, deadline=None)
+
+# ---------------------------------------------------------------- models and references
+
+# (leaf, dims): matrices of 2 and 4 dims (a conv, flattened), vectors, and an embedding-like
+# matrix the tests may mark elementwise
+LEAVES = [("attn.q.weight", 2), ("mlp.up.weight", 2), ("mlp.down.weight", 2),
+          ("conv.weight", 4), ("ln.weight", 1), ("ln.bias", 1)]  # fmt: skip
+
+
+@st.composite
+def models(draw):
+    """{name: shape} of a few blocks (sides up to 160, so some matrices run Gram NS) and maybe
+    an embedding; and the names to update elementwise."""
+    leaves = draw(st.lists(st.sampled_from(LEAVES), min_size=1, max_size=4, unique=True))
+    side = st.integers(1, 160)
+    named = {}
+    for i in range(draw(st.integers(1, 4))):
+        for leaf, nd in leaves:
+            rest = tuple(draw(st.integers(1, 3)) for _ in range(nd - 2))  # a conv's kernel
+            named[f"blocks.{i}.{leaf}"] = (*(draw(side) for _ in range(min(nd, 2))), *rest)
+    if draw(st.booleans()):
+        named["embed.weight"] = (draw(side), draw(side))
+    vectors = [n for n, s in named.items() if len(s) < 2]
+    extra = draw(st.lists(st.sampled_from(sorted(named)), max_size=3, unique=True))
+    return named, sorted(set(vectors) | set(extra))
+
+
+def reference_ns(shape: tuple[int, ...], aspect: float) -> float:
+    """The NS FLOPs `orthogonalize` runs for a matrix of `shape` (trailing dims flattened), by
+    `ns_flops` with the method `auto` picks: independent of how the summary reads the plan."""
+    flat = (shape[0], math.prod(shape[1:]))
+    return ns_flops(flat, steps=5, method="auto", sym_discount=0.5, min_aspect=aspect)
+
+
+def gpt2(layers: int = 12, d: int = 768) -> tuple[dict, list[str]]:
+    """GPT-2 small's shapes; embeddings and vectors elementwise."""
+    named = {"wte.weight": (50257, d), "wpe.weight": (1024, d)}
+    for i in range(layers):
+        p = f"h.{i}."
+        named.update({
+            p + "ln_1.weight": (d,), p + "attn.c_attn.weight": (d, 3 * d),
+            p + "attn.c_proj.weight": (d, d), p + "mlp.c_fc.weight": (d, 4 * d),
+            p + "mlp.c_proj.weight": (4 * d, d), p + "mlp.c_proj.bias": (d,),
+        })  # fmt: skip
+    return named, ["wte.weight", "wpe.weight"] + [n for n, s in named.items() if len(s) < 2]
+
+
+def table_rows(text: str) -> list[str]:
+    """The table's slot rows (after the header line), elision lines left out."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank"))
+    return [line for line in lines[start + 1 :] if "not shown" not in line]
+
+
+# ---------------------------------------------------------------- the numbers
+
+
+@PROPS
+@given(
+    models(), st.integers(1, 9), st.sampled_from([1, 2, 3]), st.sampled_from([1.5, 3.0, math.inf])
+)
+def test_summary_matches_the_plan(model, shards, reps, aspect):
+    named, ew = model
+    world = shards * reps
+    plan = partition(named, world, replicate_size=reps, elementwise=ew, gram_min_aspect=aspect)
+    s = plan_summary(plan)
+    assert (s.world_size, s.replicate_size, len(s.slots)) == (world, reps, world)
+
+    # every matrix listed exactly once, on the slot the plan gives it; the rest counted
+    listed = [n for r in s.slots for n in r.matrices]
+    assert sorted(listed) == sorted(n for n in named if n not in ew)
+    for i, r in enumerate(s.slots):
+        assert r.slot == i
+        assert all(plan.slot(n) == r.slot for n in r.matrices)
+        assert r.others == sum(1 for n in plan.owned_by(r.slot) if n in ew)
+        if reps > 1:
+            assert r.owner == (r.slot % shards, r.slot // shards)
+        else:
+            assert r.owner == r.slot
+
+    # bytes: fp32 numel of what the slot owns
+    for r in s.slots:
+        assert r.nbytes == sum(4 * math.prod(named[n]) for n in plan.owned_by(r.slot))
+        assert r.nbytes == plan.slot_bytes[r.slot]
+    assert s.total_bytes == sum(4 * math.prod(sh) for sh in named.values())
+
+    # NS FLOPs: the planner's count, per slot and job
+    ref = {n: reference_ns(named[n], aspect) for n in listed}
+    for r in s.slots:
+        assert r.ns_flops == pytest.approx(math.fsum(ref[n] for n in r.matrices), rel=1e-12)
+        if r.matrices:
+            assert r.largest_ns_flops == max(ref[n] for n in r.matrices) == ref[r.largest]
+            assert r.largest_shape == named[r.largest]
+        else:
+            assert (r.largest, r.largest_shape, r.largest_ns_flops) == (None, None, 0.0)
+    assert s.total_ns_flops == pytest.approx(math.fsum(ref.values()), rel=1e-12)
+
+    shares = [r.share for r in s.slots]
+    if listed:
+        assert math.fsum(shares) == pytest.approx(1.0, abs=1e-9)
+        assert s.largest_ns_flops == max(ref.values()) == ref[s.largest]
+    else:  # no Newton-Schulz work: nothing to share
+        assert shares == [0.0] * world and s.largest is None
+
+    # the busiest slot against the bounds no partition can beat
+    loads = [r.ns_flops for r in s.slots]
+    assert s.busiest_ns_flops == max(loads) and loads[s.busiest] == max(loads)
+    assert s.slots[s.least].ns_flops == min(loads)
+    assert s.busiest_ns_flops >= s.bound_ns_flops >= s.largest_ns_flops
+    assert s.bound_ns_flops >= s.mean_ns_flops
+    assert s.imbalance >= 1.0 - 1e-12 and s.vs_bound >= 1.0 - 1e-12
+    assert s.busiest_seconds is None and s.bound_seconds is None
+
+
+def test_hand_computed_counts():
+    # a, 32×32, standard NS: 5 steps × (X·Xᵀ at half: 32³, the symmetric 32³ product at half:
+    # 32³, one full 2·32³) = 5 · 4 · 32³ = 655,360.
+    # b, 32×64, Gram NS (64 >= 1.5·32, short side 32), restarts at steps 2 and 4: R = X·Xᵀ
+    # (at half: 65,536) and Q·X (131,072) at steps 0, 2, 4; P = aI + bR + cR² (32,768) at every
+    # step; Q' = P·Q (32,768) at steps 1 and 3; R' = P·(P·R) (2 · 32,768) at steps 0 and 2:
+    # 3 · 196,608 + 5 · 32,768 + 2 · 32,768 + 2 · 65,536 = 950,272 (standard: 1,146,880).
+    plan = partition({"a": (32, 32), "b": (32, 64), "n": (8,)}, 2, elementwise=["n"])
+    s = plan_summary(plan, gemm_flops=1e9)
+    by_name = {n: r for r in s.slots for n in r.matrices}
+    assert by_name["a"].largest_ns_flops == 655_360
+    assert by_name["b"].largest_ns_flops == 950_272
+    assert s.total_ns_flops == 655_360 + 950_272
+    assert s.largest == "b" and s.bound_ns_flops == 950_272  # > the mean, 802,816
+    assert s.busiest_ns_flops == 950_272 and s.busiest_seconds == 950_272 / 1e9
+    assert [r.others for r in s.slots] == [int(plan.slot("n") == 0), int(plan.slot("n") == 1)]
+
+
+@PROPS
+@given(st.floats(1e3, 1e18), st.integers(1, 64))
+def test_seconds_are_flops_over_the_rate(rate, world):
+    named, ew = gpt2(layers=2)
+    s = plan_summary(partition(named, world, elementwise=ew), gemm_flops=rate)
+    assert s.gemm_flops == rate
+    assert s.busiest_seconds == s.busiest_ns_flops / rate
+    assert s.bound_seconds == s.bound_ns_flops / rate
+    assert s.busiest_seconds >= s.bound_seconds
+
+
+# ---------------------------------------------------------------- data and table
+
+
+@PROPS
+@given(models(), st.integers(1, 6), st.sampled_from([1, 2]), st.none() | st.floats(1.0, 1e16))
+def test_as_dict_round_trips_through_json(model, shards, reps, rate):
+    named, ew = model
+    s = plan_summary(
+        partition(named, shards * reps, replicate_size=reps, elementwise=ew), gemm_flops=rate
+    )
+    d = s.as_dict()
+    assert json.loads(json.dumps(d, allow_nan=False)) == d
+    assert [r["matrices"] for r in d["slots"]] == [list(r.matrices) for r in s.slots]
+    assert d["busiest_ns_flops"] == s.busiest_ns_flops and d["imbalance"] == s.imbalance
+    assert d["busiest_seconds"] == s.busiest_seconds
+    assert d["matrices"] + d["others"] == len(named)
+
+
+@pytest.mark.parametrize(("world", "reps"), [(1, 1), (8, 1), (24, 1), (8, 2), (12, 3)])
+def test_str_lists_every_rank_of_a_small_job(world, reps):
+    named, ew = gpt2(layers=4)
+    s = plan_summary(partition(named, world, replicate_size=reps, elementwise=ew), gemm_flops=4e14)
+    text = str(s)
+    rows = table_rows(text)
+    assert [int(r.split()[0]) for r in rows] == list(range(world))
+    assert "not shown" not in text
+    for r, row in zip(s.slots, rows, strict=True):
+        assert row.split()[1 + (reps > 1)] == str(len(r.matrices))
+        if reps > 1:
+            assert row.split()[1] == f"({r.owner[0]},{r.owner[1]})"
+    assert sum(" <- busiest" in row for row in rows) == 1
+    assert " <- busiest" in rows[s.busiest]
+    assert f"{s.world_size} ranks" in text and "ms per step" in text
+
+
+@pytest.mark.parametrize(("world", "reps"), [(40, 1), (40, 2), (1024, 1), (1024, 4)])
+def test_str_of_a_large_job_stays_short(world, reps):
+    named, ew = gpt2()
+    plan = partition(named, world, replicate_size=reps, elementwise=ew)
+    # the same assignment with slots relabelled, so the busiest (and at 40 ranks the least
+    # loaded) land mid-table
+    relabel = tuple((509 * s + world // 3) % world for s in plan.slots)
+    s = plan_summary(dataclasses.replace(plan, slots=relabel))
+    assert 3 <= s.busiest < world - 3 and (world > 40 or 3 <= s.least < world - 3)
+    lines = str(s).splitlines()
+    assert len(lines) <= 30 and max(map(len, lines)) <= 120
+    rows = table_rows(str(s))
+    shown = [int(r.split()[0]) for r in rows]
+    left_out = sum(int(n) for n in re.findall(r"\.\.\. (\d+) ranks not shown", str(s)))
+    assert len(shown) + left_out == world and shown == sorted(set(shown))
+    assert {0, 1, 2, world - 3, world - 2, world - 1, s.busiest, s.least} <= set(shown)
+    assert " <- busiest" in rows[shown.index(s.busiest)]
+    assert " <- least" in rows[shown.index(s.least)]
+
+
+def test_str_of_a_plan_without_matrices():
+    s = plan_summary(partition({"a": (3,), "b.weight": (4, 4)}, 3, elementwise=["a", "b.weight"]))
+    assert s.total_ns_flops == 0 and s.imbalance == 1.0 and s.vs_bound == 1.0
+    assert "none (no matrix in the plan)" in str(s) and "busiest" not in str(s)
+
+
+# ---------------------------------------------------------------- what it reads, and errors
+
+
+def test_accepts_an_fn_plan_and_a_dedicated_model():
+    model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 16))
+    fn_plan = dmuon_fn.plan(model)  # one process, no process group
+    assert plan_summary(fn_plan) == plan_summary(fn_plan.partition) == fn_plan.summary()
+    assert str(fn_plan) == str(plan_summary(fn_plan))
+    assert fn_plan.summary(gemm_flops=1e9).busiest_seconds == (
+        plan_summary(fn_plan).busiest_ns_flops / 1e9
+    )
+    part = partition({"0.weight": (48, 16), "2.weight": (16, 48)}, 2)
+    # what dedicate_params attaches (its plan is all plan_summary reads)
+    state = DedicatedState(
+        shard_group=None,
+        replicate_group=None,
+        shard_rank=0,
+        replica_rank=0,
+        shard_size=2,
+        replicate_size=1,
+        reshard_after_forward=True,
+        plan=part,
+    )
+    setattr(model, STATE_ATTR, state)
+    assert dmuon_fn.plan_summary(model) == plan_summary(part)
+
+
+def test_bad_input_is_refused():
+    plan = partition(gpt2(layers=1)[0], 2)
+    for bad in (0, -1.0, math.nan, math.inf, True, "4e14", [1e9]):
+        with pytest.raises(ValueError, match="gemm_flops"):
+            plan_summary(plan, gemm_flops=bad)
+    with pytest.raises(ValueError, match="dedicate_params"):
+        dmuon_fn.plan_summary(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="Plan"):
+        plan_summary({"w": (4, 4)})
+
+
+@pytest.mark.parametrize("options", [{"steps": 3}, {"sym_discount": 1.0}, {"flops_per_byte": 0.0}])
+def test_plan_made_with_other_cost_options(options):
+    """The summary reads the NS FLOPs the planner counted under its own options."""
+    named, ew = gpt2(layers=1)
+    plan = partition(named, 4, elementwise=ew, **options)
+    ref = {
+        n: ns_flops(
+            named[n],
+            steps=options.get("steps", 5),
+            sym_discount=options.get("sym_discount", 0.5),
+        )
+        for n in named
+        if n not in ew
+    }
+    assert plan_summary(plan).total_ns_flops == pytest.approx(math.fsum(ref.values()), rel=1e-12)
+
+
+def test_measure_gemm_flops():
+    rate = dmuon_fn.measure_gemm_flops("cpu", torch.float32, n=256)
+    assert 1e6 < rate < 1e15  # a CPU: more than a MFLOP/s, less than a PFLOP/s
+    for kw, what in (
+        ({"n": 0}, "n must"),
+        ({"n": 2.5}, "n must"),
+        ({"dtype": torch.int32}, "dtype"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            dmuon_fn.measure_gemm_flops("cpu", **{"dtype": torch.float32, **kw})
+    with pytest.raises(ValueError, match="gemm_flops figure"):
+        dmuon_fn.measure_gemm_flops("meta")
