@@ -80,7 +80,21 @@ class PhaseStats:
         return sum(self.calls.values())
 
 
-class CommCounter(TorchDispatchMode):
+class _Phases:
+    """The current phase's name (default "other"), switched by `phase(name)` for a block."""
+
+    _phase = "other"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        prev, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = prev
+
+
+class CommCounter(_Phases, TorchDispatchMode):
     """Counts collectives and per-rank bytes by phase.
 
     with CommCounter() as comm:
@@ -96,15 +110,6 @@ class CommCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.stats: dict[str, PhaseStats] = defaultdict(PhaseStats)
-        self._phase = "other"
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        prev, self._phase = self._phase, name
-        try:
-            yield
-        finally:
-            self._phase = prev
 
     def total_bytes(self, *phases: str) -> float:
         return sum(self.stats[p].bytes for p in (phases or tuple(self.stats)))
@@ -127,7 +132,7 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class CommTimer:
+class CommTimer(_Phases):
     """Seconds the calling (training) thread spent blocked in dmuon_fn's gathers, reduces and
     publishes, by phase: the communication that computation did not hide.
 
@@ -145,15 +150,6 @@ class CommTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.waits: dict[str, int] = defaultdict(int)
-        self._phase = "other"
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        prev, self._phase = self._phase, name
-        try:
-            yield
-        finally:
-            self._phase = prev
 
     def total(self, *phases: str) -> float:
         return sum(self.seconds[p] for p in (phases or tuple(self.seconds)))

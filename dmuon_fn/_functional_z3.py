@@ -136,6 +136,14 @@ def _vjp(fn: StageFn, full, x, batch):
     return torch.func.vjp(lambda f, a: fn(f, a, batch), full, x)
 
 
+def _last(fn: StageFn, full, x, batch):
+    """The last stage under vjp: (its 0-d loss, the pullback, the loss's cotangent, 1)."""
+    loss, pull = _vjp(fn, full, x, batch)
+    if loss.ndim != 0:
+        raise ValueError(f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}")
+    return loss, pull, torch.ones_like(loss)
+
+
 def _start_gather(params, names, fn_plan, after):
     """Stage `names`' gathers, issued: their ticket."""
     full = [fn_plan.shape(n) for n in names]
@@ -197,13 +205,8 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
             del full  # dead after the stage: the backward gathers it again
         names, fn = stages[-1]
         full, token = _gather(params, names, fn_plan, token, _tensors(x))
-        loss, pull = _vjp(fn, full, x, batch)
+        loss, pull, cot = _last(fn, full, x, batch)
         del full
-        if loss.ndim != 0:
-            raise ValueError(
-                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
-            )
-        cot = torch.ones_like(loss)
         grads: dict[str, torch.Tensor] = {}
         for i in range(len(stages) - 1, -1, -1):
             names, fn = stages[i]
@@ -244,13 +247,8 @@ def _overlapped(stages, fn_plan: FnPlan):
             del full  # dead after the stage: the backward gathers it again
             full = gather_wait(nxt, stages[i + 1][0], _tensors(x))
         names, fn = stages[-1]
-        loss, pull = _vjp(fn, full, x, batch)
+        loss, pull, cot = _last(fn, full, x, batch)
         del full
-        if loss.ndim != 0:
-            raise ValueError(
-                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
-            )
-        cot = torch.ones_like(loss)
         grads: dict[str, torch.Tensor] = {}
         regather, pending, landed = None, None, [loss]
         for i in range(len(stages) - 1, -1, -1):
