@@ -109,8 +109,9 @@ def save_state(
     Config's hyperparameters) to the directory `path`, in the object API's format. Pass the
     per-step values last given to `update` (lr, ...) when they are not the Config's, so the
     checkpoint records what the run used. Collective over the default group when initialized."""
-    given = {"lr": lr, "adamw_lr": adamw_lr, "weight_decay": weight_decay}
-    given["adamw_weight_decay"] = adamw_weight_decay
+    given = dict(
+        lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay
+    )
     values = {k: (getattr(state.config, k) if v is None else float(v)) for k, v in given.items()}
     if values["adamw_lr"] is None:  # Config.adamw_lr None: the Muon lr
         values["adamw_lr"] = values["lr"]

@@ -49,8 +49,6 @@ class Config:
     (pass them there as tensors to schedule without recompiling); a checkpoint records them with
     the rest (dmuon_fn._checkpoint)."""
 
-    lr: float = 0.02
-    adamw_lr: float | None = None  # None: lr
     momentum: float = 0.95
     nesterov: bool = True
     weight_decay: float = 0.0
@@ -62,6 +60,8 @@ class Config:
     state_dtype: torch.dtype = torch.float32
     max_grad_norm: float | None = None  # clip every gradient by the global norm
     nonfinite: str = "skip"  # "skip": a non-finite gradient anywhere leaves the state unchanged
+    lr: float = 0.02
+    adamw_lr: float | None = None  # None: lr
 
     def __post_init__(self) -> None:
         for name in ("lr", "adamw_lr", "momentum", "weight_decay", "adamw_eps"):

@@ -142,3 +142,12 @@ def test_config_validates_the_guard():
         dmuon.Config(max_grad_norm=0.0)
     with pytest.raises(ValueError, match="cannot raise without a host sync"):
         dmuon.Config(nonfinite="raise")
+
+
+def test_config_validates_the_hyperparameters():
+    for field, bad in (("lr", -0.1), ("adamw_lr", float("nan")), ("momentum", -1.0)):
+        with pytest.raises(ValueError, match=rf"Config\.{field} must be >= 0"):
+            dmuon.Config(**{field: bad})
+    with pytest.raises(ValueError, match=r"adamw_betas must lie in \[0, 1\)"):
+        dmuon.Config(adamw_betas=(0.9, 1.0))
+    assert dmuon.Config(adamw_lr=None).adamw_lr is None  # None: update uses lr
