@@ -87,11 +87,15 @@ def param_cost(
     gram_min_aspect: float = GRAM_MIN_ASPECT,
 ) -> float:
     """Cost (FLOPs) of owning one parameter of `shape`: the model in the module docstring."""
-    byte_term = flops_per_byte * math.prod(shape) * bytes_per_elem
+    byte_term = _byte_term(shape, flops_per_byte, bytes_per_elem)
     if not matrix:
         return byte_term
-    ns = _ns(shape, steps, method, sym_discount, gram_min_aspect)
-    return ns + byte_term
+    return _ns(shape, steps, method, sym_discount, gram_min_aspect) + byte_term
+
+
+def _byte_term(shape, flops_per_byte, bytes_per_elem) -> float:
+    """The cost charged per byte of a parameter of `shape` (elementwise work and traffic)."""
+    return flops_per_byte * math.prod(shape) * bytes_per_elem
 
 
 def _ns(shape, steps, method, sym_discount, gram_min_aspect) -> float:
@@ -299,18 +303,15 @@ def partition(
     keys = layer_keys(names)
     ew = set(elementwise)
     matrix = [len(sh) >= 2 and n not in ew for n, sh in pairs]
-    cost_kw = dict(
-        steps=steps,
-        method=method,
-        sym_discount=sym_discount,
-        bytes_per_elem=bytes_per_elem,
-        flops_per_byte=flops_per_byte,
-        gram_min_aspect=gram_min_aspect,
-    )
-    costs = [param_cost(sh, matrix=m, **cost_kw) for (_, sh), m in zip(pairs, matrix, strict=True)]
     nbytes = [math.prod(sh) * bytes_per_elem for _, sh in pairs]
+    # the Newton-Schulz part of each cost, kept in the plan (0 for elementwise params)
     ns_kw = (steps, method, sym_discount, gram_min_aspect)
     ns = [_ns(sh, *ns_kw) if m else 0.0 for (_, sh), m in zip(pairs, matrix, strict=True)]
+    # as param_cost, each NS count computed once (0.0 + the byte term is the byte term exactly)
+    costs = [
+        f + _byte_term(sh, flops_per_byte, bytes_per_elem)
+        for f, (_, sh) in zip(ns, pairs, strict=True)
+    ]
 
     # Units in order of their first name: each matrix alone, a layer's other params together.
     unit_of, units, packs = [], [], {}

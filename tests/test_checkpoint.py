@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon_fn as dmuon
-from dmuon_fn._checkpoint import HYPER
+from dmuon_fn._checkpoint import HYPER, _kinds
 from dmuon_fn._dispatch import cpu_dispatch
 from dmuon_fn._update import state_items
 from tests._dist import run_ranks
@@ -149,8 +149,7 @@ def _fn_full(state):
             if dist.is_initialized():
                 dist.broadcast(buf, src=src)
             out[f"{n}.{k}"] = buf
-    kinds = [k for k, has in (("muon", fp.muon), ("adamw", set(fp.names) - fp.muon)) if has]
-    for kind in kinds:
+    for kind in _kinds(state):
         out[f"{kind}.kind"] = kind
         out.update({f"{kind}.{k}": getattr(state.config, f) for k, f in HYPER[kind].items()})
     out["guard.skipped_steps"] = state.skipped_steps.clone()
