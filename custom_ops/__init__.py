@@ -19,12 +19,15 @@ from ._disk import cache_dir, locked
 from ._kernels import (
     KERNELS,
     MIN_STRIP_ROWS,
+    auto_kernel,
     check_cpu_strips,
     cpu_strips,
+    cuda_triangle_rows,
     describe,
     kernel_names,
     resolve_kernel,
     set_cpu_strips,
+    set_cuda_triangle_rows,
     triangle_product,
 )
 from ._registry import OpSpec, register_op, registered_ops
@@ -33,9 +36,11 @@ __all__ = [
     "KERNELS",
     "MIN_STRIP_ROWS",
     "OpSpec",
+    "auto_kernel",
     "cache_dir",
     "check_cpu_strips",
     "cpu_strips",
+    "cuda_triangle_rows",
     "describe",
     "kernel_names",
     "locked",
@@ -43,5 +48,6 @@ __all__ = [
     "registered_ops",
     "resolve_kernel",
     "set_cpu_strips",
+    "set_cuda_triangle_rows",
     "triangle_product",
 ]

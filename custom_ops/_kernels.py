@@ -276,9 +276,43 @@ def kernel_names() -> list[str]:
     return sorted(KERNELS)
 
 
-def resolve_kernel(name: str | None, device: torch.device | str) -> Kernel:
+# Per CUDA device index: the rows from which the auto ladder's tensor-core triangle kernel
+# beats one cuBLAS GEMM (inf: at no size), installed by dmuon_fn's dispatch, which measures it.
+# Below it `auto` runs cuBLAS: a triangle kernel's fixed launch cost (~0.3 ms a call through
+# quack on an H200) exceeds the FLOPs it saves on small matrices. Explicit kernels ignore it.
+_CUDA_TRIANGLE_FROM: dict[int, float] = {}
+
+
+def set_cuda_triangle_rows(index: int, rows: float) -> None:
+    """Install CUDA device `index`'s rule: `auto` runs its triangle kernel from `rows` rows."""
+    if not rows >= 0:
+        raise ValueError(f"triangle rows must be >= 0 (inf: never), got {rows!r}")
+    _CUDA_TRIANGLE_FROM[index] = float(rows)
+
+
+def cuda_triangle_rows(index: int) -> float | None:
+    """The installed rule of CUDA device `index` (None: not decided yet)."""
+    return _CUDA_TRIANGLE_FROM.get(index)
+
+
+def _index(device: torch.device) -> int | None:
+    """A CUDA device's index (the current device for a bare "cuda"); else the device's own."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return device.index
+
+
+def auto_kernel(device: torch.device | str) -> Kernel:
+    """The first available kernel of the device type's auto ladder ($DMUON_NS_KERNEL aside)."""
+    device = torch.device(device)
+    return KERNELS[_auto(device.type, _index(device))]
+
+
+def resolve_kernel(name: str | None, device: torch.device | str, rows: int | None = None) -> Kernel:
     """The kernel that will run on `device`: explicit `name` > $DMUON_NS_KERNEL > auto ladder.
 
+    rows: the symmetric products' size (the iterate's short side); with it, `auto` on a CUDA
+    device runs cuBLAS below the installed triangle rule (`set_cuda_triangle_rows`).
     Raises ValueError for an unknown name and RuntimeError for a known kernel that cannot run
     on this device; a requested kernel is never silently replaced by another.
     """
@@ -286,10 +320,11 @@ def resolve_kernel(name: str | None, device: torch.device | str) -> Kernel:
     requested = name if name not in (None, "auto") else os.environ.get(ENV_VAR) or None
     source = "kernel=" if name not in (None, "auto") else f"${ENV_VAR}"
     if requested is None or requested == "auto":
-        index = device.index
-        if device.type == "cuda" and index is None and torch.cuda.is_available():
-            index = torch.cuda.current_device()
-        return KERNELS[_auto(device.type, index)]
+        kernel = auto_kernel(device)
+        tensor_core = device.type == "cuda" and kernel.sym_mm is not full_mm
+        if tensor_core and rows is not None and rows < _CUDA_TRIANGLE_FROM.get(_index(device), 0):
+            return KERNELS["cublas"]
+        return kernel
     if requested not in KERNELS:
         raise ValueError(
             f"unknown NS kernel {requested!r} (from {source}); valid kernels: "
@@ -320,4 +355,8 @@ def describe(kernel: Kernel, device: torch.device | str) -> str:
     if kernel.sym_mm is cpu_blocked:
         rule = ", ".join(f"{b} from {n} rows" for n, b in _CPU_STRIPS if b > 1)
         extra = f": {rule}, else one GEMM" if rule else ": one GEMM at every size"
+    elif device.type == "cuda" and kernel.sym_mm is not full_mm:
+        rows = _CUDA_TRIANGLE_FROM.get(_index(device))
+        if rows is not None and kernel is auto_kernel(device):
+            extra = f"; auto: from {rows:g} rows, else cuBLAS" if rows > 0 else ""
     return f"kernel={kernel.name} ({where}, {kernel.description}{extra})"

@@ -10,6 +10,7 @@ import custom_ops
 
 from ._cost import GRAM_MIN_SHORT, ns_method
 from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype
+from ._orthogonalize import kernel_choice
 
 
 def _default_device() -> torch.device:
@@ -35,7 +36,7 @@ def get_ns_backend(
     an unknown or unavailable kernel raises the same error `orthogonalize` would.
     """
     device = _default_device() if device is None else torch.device(device)
-    resolved = custom_ops.resolve_kernel(kernel, device)
+    resolved = custom_ops.KERNELS[kernel_choice(kernel, device)]  # CUDA: measures auto's rule
     ns_method((1, 1), method)  # validates
     aspect = gram_min_aspect(device)  # resolves the dispatch, the CPU's strip table included
     if method != "auto":

@@ -28,7 +28,12 @@ rank 0's choice (JSON in a uint8 tensor, dmuon_fn/_exchange.py) and every rank i
 `dedicate_params` and `plan` call it before planning, and the setup check compares the result.
 
 CUDA: bf16 iterates on devices with native bf16 (sm_80+), else fp16; Gram from long/short >=
-GRAM_MIN_ASPECT (1.5, the Gram Newton-Schulz authors' measurement with symmetric kernels).
+GRAM_MIN_ASPECT (1.5, the Gram Newton-Schulz authors' measurement with symmetric kernels). The
+auto ladder's tensor-core triangle kernel (custom_ops/_kernels.py) runs from the size at which
+it beats one cuBLAS GEMM, measured once per process and device (`cuda_triangle_rows`: n×n
+products at TRIANGLE_SIZES, CUDA events, the same "from the smallest size that wins there and at
+every larger one" rule); below it, cuBLAS. Measured on an H200 (quack): 0.21x at 1024 rows,
+0.67x at 4096, 1.52x at 8192, so a fixed rule would be wrong on one device or another.
 `dtype=`, `method=`, `kernel=` and $DMUON_NS_KERNEL override every choice.
 """
 
@@ -396,6 +401,68 @@ def iteration_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return _cuda_dtype(_cuda_index(device))
     return torch.float32
+
+
+TRIANGLE_SIZES = (1024, 2048, 4096, 8192)
+
+
+def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
+    """Rows from which the triangle kernel runs (times[n] = (one GEMM, triangle) at n rows): the
+    geometric midpoint below the smallest size at which it won there and at every larger size;
+    inf if it lost at the largest."""
+    sizes = sorted(times)
+    rows = math.inf
+    for i in range(len(sizes) - 1, -1, -1):
+        t_gemm, t_tri = times[sizes[i]]
+        if t_tri >= t_gemm:
+            break
+        rows = math.sqrt(sizes[i] * sizes[i - 1]) if i else sizes[i] / math.sqrt(2)
+    return rows if math.isinf(rows) else float(round(rows))
+
+
+def _cuda_race(candidates: Mapping[object, Callable[[], object]], reps: int = 2 * REPS) -> dict:
+    """`race` timed with CUDA events: best seconds per candidate after one warm-up each (which
+    compiles), round-robin, so a GPU still raising its clocks slows every candidate alike
+    (timing one candidate after the other measured the first one slower)."""
+    best = {k: math.inf for k in candidates}
+    for rep in range(reps + 1):
+        for k, fn in candidates.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            if rep:
+                best[k] = min(best[k], start.elapsed_time(end) / 1e3)
+    return best
+
+
+def cuda_triangle_rows(device: torch.device) -> float:
+    """Rows from which `auto` runs the device's triangle kernel (measured on first use, then
+    installed in custom_ops; inf: never; 0 when the ladder's pick is a plain GEMM)."""
+    index = _cuda_index(device)
+    rows = custom_ops.cuda_triangle_rows(index)
+    if rows is not None:
+        return rows
+    kernel = custom_ops.auto_kernel(torch.device("cuda", index))
+    if kernel.name == "cublas":
+        rows = 0.0
+    else:
+        dtype = _cuda_dtype(index)
+        times = {}
+        with torch.no_grad(), torch.cuda.device(index):
+            for n in TRIANGLE_SIZES:
+                A = torch.randn(n, n, device="cuda", dtype=dtype)
+                fns = {"gemm": custom_ops.KERNELS["cublas"].sym_mm, "triangle": kernel.sym_mm}
+                t = _cuda_race(
+                    {k: (lambda f=f, A=A: f(A, A.mT, None, 1.0, 0.0)) for k, f in fns.items()}
+                )
+                times[n] = (t["gemm"], t["triangle"])
+        rows = choose_triangle_rows(times)
+        _log.info("dmuon_fn: %s from %s rows on cuda:%d (%s)", kernel.name, rows, index, times)
+    custom_ops.set_cuda_triangle_rows(index, rows)
+    return rows
 
 
 def dtype_reason(device: torch.device) -> str:

@@ -29,7 +29,7 @@ import custom_ops
 
 from ._coefficients import schedule
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
-from ._dispatch import gram_min_aspect, iteration_dtype
+from ._dispatch import cuda_triangle_rows, gram_min_aspect, iteration_dtype
 from ._iteration import gram, halves, normalize, plain_eager, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -116,6 +116,24 @@ def orthogonalize(
     return orthogonalize_with(G, cfg)
 
 
+@torch.compiler.assume_constant_result
+def kernel_choice(kernel: str | None, device: torch.device, rows: int | None = None) -> str:
+    """The name of the SYRK kernel that runs on `device` (for products of `rows` rows: CUDA's
+    auto rule, measured on first use).
+
+    A host-side decision: it imports optional kernel packages and may time the device, so under
+    torch.compile it runs once at trace time and enters the graph as a constant instead of
+    being traced (a kernel package that fails to import would otherwise fail the compile, not
+    just rule that kernel out). The dtype and Gram ratio are traced as before: dynamo guards
+    on the installed dispatch, so a choice installed later recompiles.
+    """
+    if device.type == "cuda" and custom_ops.resolve_kernel(kernel, device) is (
+        custom_ops.auto_kernel(device)
+    ):
+        cuda_triangle_rows(device)
+    return custom_ops.resolve_kernel(kernel, device, rows).name
+
+
 def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> Tensor:
     """`orthogonalize` with a prebuilt, validated `NSConfig`.
 
@@ -134,7 +152,8 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
         )
     if G.numel() == 0:
         return torch.zeros_like(G)  # an empty batch or a 0-width matrix: nothing to orthogonalize
-    impl = custom_ops.resolve_kernel(cfg.kernel, G.device).name
+    short = int(min(G.shape[-2:])) if G.device.type == "cuda" else None
+    impl = kernel_choice(cfg.kernel, G.device, short)
     # resolves the device's dispatch (on a CPU: also the SYRK strip table) whatever cfg says
     aspect = gram_min_aspect(G.device)
     rows = schedule(cfg.coefficients, cfg.steps)
