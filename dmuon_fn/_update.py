@@ -30,6 +30,19 @@ Scalar = float | Tensor
 _SCALES = ("match_rms_adamw", "original")
 
 
+def on_device(x: Scalar, device: torch.device) -> Scalar:
+    """A tensor hyperparameter moved to the parameter's device (floats stay floats).
+
+    A 0-d CPU tensor next to CUDA tensors is legal in eager, but a compiled graph that computes
+    with it on the CPU (lr·scale, 1 − lr·wd) and feeds the result to a CUDA kernel fails at
+    launch (inductor passes the CPU scalar as a device pointer; seen on an H200 with
+    torch 2.11). Copying the scalar first keeps that arithmetic on the device.
+    """
+    if isinstance(x, Tensor) and x.device != device:
+        return x.to(device)
+    return x
+
+
 class MuonState(NamedTuple):
     momentum: Tensor  # same shape as the parameter
 
@@ -97,6 +110,7 @@ def muon_update(
 ) -> tuple[Tensor, MuonState]:
     """One Muon step for one matrix parameter. Returns (new param, new state)."""
     _check_matrix(param, grad)
+    lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
     buf = state.momentum
     g = grad.to(buf.dtype)
     buf = torch.add(g, buf, alpha=momentum)
@@ -135,6 +149,7 @@ def adamw_update(
     """One AdamW step for any parameter. Returns (new param, new state)."""
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
+    lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
     beta1, beta2 = betas
     t = state.step + 1
     g = grad.to(state.exp_avg.dtype)

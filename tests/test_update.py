@@ -19,6 +19,7 @@ from dmuon_fn import (
     muon_update,
 )
 from dmuon_fn._coefficients import schedule
+from dmuon_fn._update import on_device
 from tests._tolerance import rel_err
 
 
@@ -173,3 +174,20 @@ def test_bad_arguments():
         )
     with pytest.raises(ValueError, match="grad shape"):
         adamw_update(p, torch.randn(9), AdamWState(torch.zeros(()), p, p), lr=0.1)
+
+
+def test_tensor_hyperparameters_move_to_the_parameters_device():
+    """A 0-d tensor lr / weight decay on another device than the parameter (a scheduler's CPU
+    scalar next to CUDA parameters) is copied to the parameter's device before any arithmetic,
+    so a compiled CUDA step computes lr·scale and 1 − lr·wd there; floats and same-device
+    tensors pass through untouched."""
+    meta = torch.device("meta")
+    lr = torch.tensor(0.02)
+    moved = on_device(lr, meta)
+    assert moved.device == meta and moved.shape == ()
+    assert on_device(lr, torch.device("cpu")) is lr
+    assert on_device(0.02, meta) == 0.02
+    p = torch.randn(8, 4, device=meta)
+    new, st_ = adamw_update(p, torch.randn(8, 4, device=meta), adamw_init(p), lr=lr,
+                            weight_decay=torch.tensor(0.1))  # fmt: skip
+    assert new.device == meta and st_.step.device == meta
