@@ -33,7 +33,7 @@ from ._dispatch import agreed_aspect
 from ._entries import Entry
 from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
 from ._guard import phase
-from ._mesh import check_dtypes, check_meshes, master_dtype
+from ._mesh import check_dtypes, check_meshes, master_dtype, own_group
 from ._partition import layer_keys, partition
 from ._plan_check import check_plan_consistent
 from ._schedule import Scheduler, make_groups, make_units
@@ -120,8 +120,8 @@ def dedicate_params(
 
     st = DedicatedState(
         plan=plan,
-        shard_group=mesh.get_group(),
-        replicate_group=None if replicate_mesh is None else replicate_mesh.get_group(),
+        shard_group=own_group(mesh.get_group()),
+        replicate_group=None if replicate_mesh is None else own_group(replicate_mesh.get_group()),
         shard_rank=mesh.get_local_rank(),
         replica_rank=0 if replicate_mesh is None else replicate_mesh.get_local_rank(),
         shard_size=G,

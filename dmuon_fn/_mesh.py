@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._exchange import all_gather_json
+
 
 def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
     """Mixed-precision dtypes: floating torch dtypes or None (both faces take the same)."""
@@ -54,3 +56,23 @@ def check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
             "mesh and replicate_mesh disagree: they must be the 'shard' and 'replicate' dims of "
             "the same 2-D mesh (their groups must cross in exactly this rank)"
         )
+
+
+def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new process group over `group`'s ranks, for dmuon_fn's traffic alone.
+
+    Gloo runs one group's collectives one after another, so an FSDP2 all-gather issued while a
+    dedicated prefetch is in flight on the mesh's own group waits for the whole prefetch; on
+    separate groups (separate connections; on NCCL separate communicators) the two proceed side
+    by side. Collective over the world: every rank gathers every rank's group, then creates all
+    of them in one sorted order (`new_group` needs every rank, member or not).
+    """
+    mine = sorted(dist.get_process_group_ranks(group))
+    backend = dist.get_backend(group)
+    made = None
+    for ranks in sorted({tuple(r) for r in all_gather_json(mine)}):
+        new = dist.new_group(list(ranks), backend=backend)
+        if list(ranks) == mine:
+            made = new
+    assert made is not None  # this rank's own list is among the gathered ones
+    return made
