@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -175,6 +176,12 @@ def worker(args) -> None:
 def _launch(args, rate: str, out: str) -> None:
     """The two ranks, inside a rate-limited namespace (removed afterwards) or on plain lo."""
     ns = None if rate == "none" else f"dmuon_bench_{os.getpid()}"
+    missing = [tool for tool in ("ip", "tc") if ns is not None and shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(
+            f"--rates {rate} needs iproute2's {' and '.join(missing)} (and root) for the "
+            "rate-limited namespace; --rates none runs on plain loopback without them"
+        )
     prefix = [] if ns is None else ["ip", "netns", "exec", ns]
     try:
         if ns is not None:
