@@ -65,14 +65,26 @@ def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     dedicated prefetch is in flight on the mesh's own group waits for the whole prefetch; on
     separate groups (separate connections; on NCCL separate communicators) the two proceed side
     by side. Collective over the world: every rank gathers every rank's group, then creates all
-    of them in one sorted order (`new_group` needs every rank, member or not).
+    of them in one sorted order (`new_group` needs every rank, member or not). The new groups
+    keep `group`'s collective timeout (`new_group`'s default would be torch's 30 minutes, so a
+    hung peer would no longer fail within the job's timeout).
     """
     mine = sorted(dist.get_process_group_ranks(group))
-    backend = dist.get_backend(group)
+    backend, timeout = dist.get_backend(group), _timeout(group)
     made = None
     for ranks in sorted({tuple(r) for r in all_gather_json(mine)}):
-        new = dist.new_group(list(ranks), backend=backend)
+        new = dist.new_group(list(ranks), timeout=timeout, backend=backend)
         if list(ranks) == mine:
             made = new
     assert made is not None  # this rank's own list is among the gathered ones
     return made
+
+
+def _timeout(group: dist.ProcessGroup):
+    """`group`'s collective timeout (a timedelta), or None (torch's default) if unreadable."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None

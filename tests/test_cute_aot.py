@@ -206,7 +206,8 @@ def test_kernel_cache_compiles_once_per_variant(tmp_path, monkeypatch):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """A pretend CUDA device of a given capability, with or without the optional packages;
-    the per-device auto choice is cleared before and after."""
+    the per-device auto choice is cleared before and after, and its size rule is installed
+    (triangle from 4096 rows) so that nothing times the device that is not there."""
     import custom_ops.cute as cute_pkg
     from custom_ops import _kernels
     from custom_ops.cute import quack_adapter
@@ -218,6 +219,7 @@ def fake_cuda(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
         monkeypatch.setattr(cute_pkg, "dsl_import_error", lambda: "" if dsl else "no dsl here")
         monkeypatch.setattr(quack_adapter, "_import_error", lambda: "" if quack else "no quack")
+        monkeypatch.setattr(_kernels, "_CUDA_TRIANGLE_FROM", {0: 4096.0})
         _kernels._auto.cache_clear()
 
     yield setup
@@ -267,7 +269,9 @@ def test_env_and_explicit_choices_beat_the_ladder_and_are_reported(fake_cuda, mo
     from dmuon_fn import get_ns_backend
 
     fake_cuda((9, 0), dsl=True, quack=True)
-    assert "kernel=quack (SM90, quack gemm_symmetric" in get_ns_backend("cuda:0")
+    auto = get_ns_backend("cuda:0")
+    assert "kernel=quack (SM90, quack gemm_symmetric" in auto
+    assert "auto: from 4096 rows, else cuBLAS" in auto
     monkeypatch.setenv("DMUON_NS_KERNEL", "cute_sm80")
     assert custom_ops.resolve_kernel(None, "cuda").name == "cute_sm80"
     line = get_ns_backend("cuda:0")
