@@ -35,8 +35,8 @@ def on_device(x: Scalar, device: torch.device) -> Scalar:
 
     A 0-d CPU tensor next to CUDA tensors is legal in eager, but a compiled graph that computes
     with it on the CPU (lr·scale, 1 − lr·wd) and feeds the result to a CUDA kernel fails at
-    launch (inductor passes the CPU scalar as a device pointer; seen on an H200 with
-    torch 2.11). Copying the scalar first keeps that arithmetic on the device.
+    launch (inductor passes the CPU scalar as a device pointer: pytorch/pytorch#121374).
+    Copying the scalar first keeps that arithmetic on the device.
     """
     if isinstance(x, Tensor) and x.device != device:
         return x.to(device)
