@@ -127,10 +127,10 @@ def kernel_choice(kernel: str | None, device: torch.device, rows: int | None = N
     just rule that kernel out). The dtype and Gram ratio are traced as before: dynamo guards
     on the installed dispatch, so a choice installed later recompiles.
     """
-    if device.type == "cuda" and custom_ops.resolve_kernel(kernel, device) is (
-        custom_ops.auto_kernel(device)
-    ):
-        cuda_triangle_rows(device)
+    resolved = custom_ops.resolve_kernel(kernel, device)
+    if device.type != "cuda" or resolved is not custom_ops.auto_kernel(device):
+        return resolved.name  # an explicit kernel, or a device without a size rule
+    cuda_triangle_rows(device)  # auto's size rule, measured on first use
     return custom_ops.resolve_kernel(kernel, device, rows).name
 
 
