@@ -13,11 +13,10 @@ No autograd (as two_stage_reduce). Registered side-effectful and never recompute
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import _tickets
-from ._collectives import _group, define_collective, reduce_sum
+from ._collectives import _group, define_collective, reduce_start, reduce_sum
 from ._registry import OpSpec, register_op
 from .owner_broadcast import split_shapes
 
@@ -46,9 +45,7 @@ def two_stage_reduce_start(
         buf = full.contiguous().clone()
         work = None
         if size > 1:
-            pg = _group(group)
-            dst = dist.get_global_rank(pg, src)
-            work = dist.reduce(buf, dst=dst, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+            work = reduce_start(buf, src, _group(group))
         bufs.append(buf)
         works.append(work)
 

@@ -5,7 +5,10 @@
 and how many bytes they move per rank. Bytes follow the per-rank traffic convention that makes
 FSDP's and dmuon_fn's floors comparable (DESIGN.md, "Communication floor"): over a group of W
 ranks and a payload of N bytes, broadcast and reduce move (W−1)/W·N, all-gather and
-reduce-scatter (W−1)/W of the full tensor, all-reduce 2(W−1)/W·N.
+reduce-scatter (W−1)/W of the full tensor, all-reduce 2(W−1)/W·N: the bytes that cross the
+network, averaged over the group's ranks. A point-to-point transfer of N bytes books N/2 on
+each of its two ends; the transfers of a reduce over two gloo ranks
+(`custom_ops._collectives.PairReduce`, known by their tag) book as the reduce they are.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from custom_ops._collectives import PAIR_TAG
+
 # op name -> (factor of (W-1)/W, which tensor argument carries the payload)
 _C10D = {
     "broadcast_": (1, 0),
@@ -32,6 +37,8 @@ _C10D = {
     "_reduce_scatter_base_": (1, 1),
     "reduce_scatter_tensor_coalesced_": (1, 1),
     "alltoall_base_": (1, 1),
+    "send": (1, 0),  # point to point: booked as a group of two, N/2 on each end
+    "recv_": (1, 0),
 }
 _FUNCOL = {
     "broadcast": (1, 0),
@@ -120,7 +127,12 @@ class CommCounter(_Phases, TorchDispatchMode):
         table = _C10D if ns == "c10d" else _FUNCOL if ns == "_c10d_functional" else None
         if table is not None and name in table:
             factor, which = table[name]
-            w = _group_size(args, kwargs)
+            if name in ("send", "recv_"):
+                w = 2
+                if len(args) > 3 and args[3] == PAIR_TAG:
+                    name = "reduce_"
+            else:
+                w = _group_size(args, kwargs)
             payload = _nbytes(args[which]) if which < len(args) else 0
             if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
                 payload = _nbytes(args[1])  # the full input

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from custom_ops._collectives import reduce_start
+
 from ._comm import blocked
 from ._entries import Entry, Topology
 from ._guard import phase
@@ -356,13 +358,7 @@ class Scheduler:
         work = None
         if self.topo.shard_size > 1:
             with phase(f"backward (gradient reduce of {g.names})"):
-                work = dist.reduce(
-                    flat,
-                    dst=self._src(g),
-                    op=dist.ReduceOp.SUM,
-                    group=self.topo.shard_group,
-                    async_op=True,
-                )
+                work = reduce_start(flat, g.owner, self.topo.shard_group)
         self.reduces.append(_Reduce(g, flat, work, members))
         if not self.depth:
             self.wait_reduces()
@@ -379,13 +375,7 @@ class Scheduler:
                 if r.work is not None:
                     r.work.wait()
                 if topo.replicate_group is not None and topo.shard_rank == r.group.owner:
-                    r.stage2 = dist.reduce(
-                        r.flat,
-                        dst=dist.get_global_rank(topo.replicate_group, r.group.owner_replica),
-                        op=dist.ReduceOp.SUM,
-                        group=topo.replicate_group,
-                        async_op=True,
-                    )
+                    r.stage2 = reduce_start(r.flat, r.group.owner_replica, topo.replicate_group)
         for r in pending:
             if r.stage2 is not None:
                 with blocked(), phase(f"backward (gradient reduce of {r.group.names})"):

@@ -61,9 +61,13 @@ def collective_log():
     ranks, function, dtype, numel). Python-level, so compiled blocks' ops (which run dmuon_fn's
     Python at run time) are seen too, where a dispatch mode would disable torch.compile."""
     calls: list[tuple[tuple[int, ...], str, str, int]] = []
-    saved = {n: getattr(dist, n) for n in ("broadcast", "reduce", "all_reduce")}
+    names = ("broadcast", "reduce", "all_reduce", "isend", "irecv")
+    saved = {n: getattr(dist, n) for n in names}
 
     def logged(name, fn):
+        if name in ("isend", "irecv"):  # a reduce over two gloo ranks: one end each
+            name = "reduce (one transfer)"
+
         def run(tensor, *args, group=None, **kwargs):
             ranks = tuple(
                 range(dist.get_world_size())

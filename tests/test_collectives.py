@@ -1,0 +1,92 @@
+"""The reduce behind every dedicated gradient (custom_ops._collectives.reduce_start): over two
+gloo ranks one transfer instead of gloo's reduce, with the same result bits, the same booking
+in CommCounter, and the pairing kept when several are in flight with different owners
+(proofs/prefetch.md claim 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dmuon_fn as dmuon
+from custom_ops._collectives import PairReduce, reduce_start
+from tests._dist import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def _values(rank: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * k + rank)
+    return (torch.randn(1000 + 37 * k, generator=g) * 10 ** (k % 5)).to(dtype)
+
+
+def _pair(rank, world):
+    """Reduces in flight at once over the world (two ranks), owners alternating, against
+    gloo's reduce of the same values; what CommCounter books for each."""
+    out = {}
+    for dtype in DTYPES:
+        mine = [_values(rank, k, dtype) for k in range(6)]
+        comm = dmuon.CommCounter()
+        with comm:
+            bufs = [t.clone() for t in mine]
+            works = [reduce_start(b, k % 2, dist.group.WORLD) for k, b in enumerate(bufs)]
+            kinds = {type(w) for w in works}
+            for w in reversed(works):  # waited for in any order
+                w.wait()
+        with dmuon.CommCounter() as ref_comm:
+            refs = [t.clone() for t in mine]
+            for k, r in enumerate(refs):
+                dist.reduce(r, dst=k % 2, op=dist.ReduceOp.SUM)
+        out[dtype] = dict(
+            equal=[
+                torch.equal(b, r)
+                for k, (b, r) in enumerate(zip(bufs, refs, strict=True))
+                if k % 2 == rank
+            ],
+            kinds=kinds,
+            booked=dict(comm.stats["other"].op_bytes),
+            calls=dict(comm.stats["other"].calls),
+            ref_booked=dict(ref_comm.stats["other"].op_bytes),
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_pair_reduce_equals_gloo_reduce_bitwise_and_books_as_one():
+    for rank, res in enumerate(run_ranks(_pair, 2)):
+        for dtype, r in res.items():
+            assert r["kinds"] == {PairReduce}, (rank, dtype)
+            assert r["equal"] and all(r["equal"]), (rank, dtype)
+            # per rank: (W-1)/W of each payload, as dist.reduce's booking, one call per reduce
+            assert r["booked"] == r["ref_booked"], (rank, dtype)
+            assert r["calls"] == {"reduce_": 6}, (rank, dtype)
+
+
+def _subgroups(rank, world):
+    """Two groups of two inside a world of four (HSDP's replicate pairs): each pair's transfers
+    stay in it; the four-rank group still runs gloo's reduce."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pg = pairs[rank % 2]
+    t = torch.full((64,), float(rank + 1))
+    owner = 1  # group rank 1: global rank 2 or 3
+    work = reduce_start(t, owner, pg)
+    work.wait()
+    full = torch.full((8,), float(rank + 1))
+    world_work = reduce_start(full, 3, dist.group.WORLD)
+    world_work.wait()
+    return dict(
+        pair_kind=type(work).__name__,
+        world_kind=type(world_work).__name__,
+        sum=t[0].item() if dist.get_rank(pg) == owner else None,
+        world_sum=full[0].item() if rank == 3 else None,
+    )
+
+
+@pytest.mark.slow
+def test_pair_reduce_stays_in_its_group_and_larger_groups_use_gloo_reduce():
+    res = run_ranks(_subgroups, 4)
+    assert {r["pair_kind"] for r in res} == {"PairReduce"}
+    assert "PairReduce" not in {r["world_kind"] for r in res}
+    assert res[2]["sum"] == 1 + 3 and res[3]["sum"] == 2 + 4
+    assert res[3]["world_sum"] == 1 + 2 + 3 + 4
