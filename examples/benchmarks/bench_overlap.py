@@ -8,12 +8,15 @@ private network namespace whose loopback is rate-limited by a token bucket (`ip 
 nothing outside the namespace is touched; needs root), so communication costs what it costs
 between nodes. Without a rate (`none`), plain loopback.
 
-Per configuration, medians over the timed steps of: forward+backward seconds, step seconds,
-exposed communication (seconds the training thread spent blocked in dmuon_fn's gathers,
-reduces and publishes, `dmuon_fn.CommTimer`; for FSDP2 + AdamW not measurable this way: "-"),
-and bytes per rank per step (`CommCounter`). Next to them two floors: compute alone (the same
-per-rank forward+backward with no communication, both ranks at once) and the link time (the
-bytes both ranks send in forward+backward / the rate). Targets (issue 13): dmuon_fn's
+Every configuration is built at once and they step round-robin (drift hits all alike). Per
+configuration, medians over the timed steps of: forward+backward seconds (until the gradients
+have landed, `dmuon_fn.wait_gradients`), step seconds, exposed communication (seconds the
+training thread spent blocked in dmuon_fn's gathers, reduces and publishes,
+`dmuon_fn.CommTimer`; for FSDP2 + AdamW not measurable this way: "-"), bytes per rank per step
+(`CommCounter`) and the bytes that crossed the link in forward+backward (the namespace's
+loopback counter: both ranks' sends, protocol overhead included). Next to them two floors:
+compute alone (the same per-rank forward+backward with no communication, both ranks at once)
+and the link time (those link bytes / the rate). Targets (issue 13): dmuon_fn's
 forward+backward <= 1.25 x max(compute alone, link time), and at least 2x less exposed
 communication than with prefetch off.
 
@@ -108,9 +111,13 @@ def _build(config: str, args, mesh):
 
 
 def _step(model, opt, x) -> tuple[float, float]:
+    """Forward+backward seconds (until the gradients have landed: dmuon_fn's reduces are still in
+    flight when backward returns, FSDP2's are not) and step seconds."""
     dist.barrier()  # every rank starts the step together
     t0 = time.perf_counter()
     model(x).backward()
+    if isinstance(opt, dmuon.Muon):
+        dmuon.wait_gradients(model)
     t1 = time.perf_counter()
     opt.step()
     opt.zero_grad()
@@ -119,54 +126,70 @@ def _step(model, opt, x) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def _measure(config: str, args, mesh, rank: int) -> dict:
-    """Median fwd+bwd and step seconds and exposed communication over the timed steps; bytes
-    from one more step under CommCounter (a dispatch mode: it slows every op, so it times
-    nothing)."""
-    model, opt = _build(config, args, mesh)
-    x = torch.randn(1, args.tokens, args.d, generator=torch.Generator().manual_seed(rank))
-    for _ in range(args.warmup):
-        _step(model, opt, x)
-    fb, st, exposed = [], [], []
-    timer = dmuon.CommTimer()
-    for _ in range(args.steps):
-        with timer:
-            t_fb, t_st = _step(model, opt, x)
-        fb.append(t_fb)
-        st.append(t_st)
-        exposed.append(timer.total())
-        timer.seconds.clear()
+def _lo_tx() -> int:
+    """Bytes sent on this network namespace's loopback so far: what crossed the rate-limited
+    link, both ranks' sends together (one token bucket on lo)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[8])
+    raise RuntimeError("no loopback in /proc/net/dev")
+
+
+def _counted(model, opt, x) -> dict:
+    """One more step: the bytes per rank `CommCounter` books (a dispatch mode: it slows every
+    op, so it times nothing) and the bytes that crossed the link (both ranks, forward+backward
+    until the gradients landed; with no rate, plain lo also carries the rest of the machine's
+    local traffic)."""
     comm = dmuon.CommCounter()
     dist.barrier()
+    tx0 = _lo_tx()
     with comm:
         with comm.phase("fb"):
             model(x).backward()
+            if isinstance(opt, dmuon.Muon):
+                dmuon.wait_gradients(model)
+        dist.barrier()
+        tx1 = _lo_tx()
         with comm.phase("step"):
             opt.step()
             opt.zero_grad()
             if isinstance(opt, dmuon.Muon):
                 opt.wait_publish()
     return dict(
-        fb=statistics.median(fb),
-        step=statistics.median(st),
-        exposed=statistics.median(exposed) if config.startswith("dmuon") else None,
-        fb_bytes=comm.total_bytes("fb"),
-        step_bytes=comm.total_bytes("step"),
+        fb_bytes=comm.total_bytes("fb"), step_bytes=comm.total_bytes("step"), wire=tx1 - tx0
     )
 
 
 def worker(args) -> None:
+    """Every configuration built at once and stepped round-robin, so drift in the machine's
+    speed falls on all of them alike."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (WORLD,))
+    x = torch.randn(1, args.tokens, args.d, generator=torch.Generator().manual_seed(rank))
+    # compute alone: a plain model on each rank, no process group traffic
+    runs = {c: _build(c, args, None if c == "compute alone" else mesh) for c in CONFIGS}
+    times = {c: ([], [], []) for c in CONFIGS}
+    timer = dmuon.CommTimer()
+    for i in range(args.warmup + args.steps):
+        for config, (model, opt) in runs.items():
+            with timer:
+                t_fb, t_st = _step(model, opt, x)
+            if i >= args.warmup:
+                for column, value in zip(times[config], (t_fb, t_st, timer.total()), strict=True):
+                    column.append(value)
+            timer.seconds.clear()
     out = {}
-    for config in CONFIGS:
-        if config == "compute alone":  # no process group traffic: a plain model on each rank
-            out[config] = _measure(config, args, None, rank)
-        else:
-            out[config] = _measure(config, args, mesh, rank)
-        dist.barrier()
+    for config, (model, opt) in runs.items():
+        fb, st, exposed = times[config]
+        out[config] = dict(
+            fb=statistics.median(fb),
+            step=statistics.median(st),
+            exposed=statistics.median(exposed) if config.startswith("dmuon") else None,
+            **_counted(model, opt, x),
+        )
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -216,19 +239,20 @@ def report(rate: str, res: dict) -> None:
     alone = res["compute alone"]["fb"]
     print(f"\n### rate {rate}\n")
     print(
-        "| configuration | fwd+bwd s | step s | exposed comm s | MB/rank/step (fwd+bwd, step) "
-        "| link time s | fwd+bwd / max(compute, link) |"
+        "| configuration | fwd+bwd s | step s | exposed comm s | MB/rank/step counted "
+        "(fwd+bwd, step) | MB on the link (fwd+bwd) | link time s "
+        "| fwd+bwd / max(compute, link) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for config in CONFIGS:
         r = res[config]
-        link = WORLD * r["fb_bytes"] / _rate_bytes(rate) if rate != "none" else 0.0
+        link = r["wire"] / _rate_bytes(rate) if rate != "none" else 0.0
         floor = max(alone, link)
         exposed = "-" if r["exposed"] is None else f"{r['exposed']:.3f}"
         print(
             f"| {config} | {r['fb']:.3f} | {r['step']:.3f} | {exposed} "
-            f"| {r['fb_bytes'] / 2**20:.1f}, {r['step_bytes'] / 2**20:.2f} | {link:.3f} "
-            f"| {r['fb'] / floor:.2f}x |"
+            f"| {r['fb_bytes'] / 2**20:.1f}, {r['step_bytes'] / 2**20:.2f} "
+            f"| {r['wire'] / 2**20:.1f} | {link:.3f} | {r['fb'] / floor:.2f}x |"
         )
     for z in ("Z2", "Z3"):
         off, on = res[f"dmuon {z} prefetch off"], res[f"dmuon {z} prefetch on"]
