@@ -16,7 +16,10 @@ training thread spent blocked in dmuon_fn's gathers, reduces and publishes,
 (`CommCounter`) and the bytes that crossed the link in forward+backward (the namespace's
 loopback counter: both ranks' sends, protocol overhead included). Next to them two floors:
 compute alone (the same per-rank forward+backward with no communication, both ranks at once)
-and the link time (those link bytes / the rate). Targets (issue 13): dmuon_fn's
+and the link time (those link bytes / the rate). Last, the CPU seconds each rank's process spent
+in forward+backward (every thread, user and system: compute, gloo's transport threads, the
+loopback's TCP work): with two ranks on two cores, one core per rank, a forward+backward takes
+at least that long however well the communication overlaps. Targets (issue 13): dmuon_fn's
 forward+backward <= 1.25 x max(compute alone, link time), and at least 2x less exposed
 communication than with prefetch off.
 
@@ -110,20 +113,22 @@ def _build(config: str, args, mesh):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _step(model, opt, x) -> tuple[float, float]:
+def _step(model, opt, x) -> tuple[float, float, float]:
     """Forward+backward seconds (until the gradients have landed: dmuon_fn's reduces are still in
-    flight when backward returns, FSDP2's are not) and step seconds."""
+    flight when backward returns, FSDP2's are not), step seconds, and the CPU seconds the rank's
+    process spent in forward+backward (every thread, user and kernel: compute, gloo's transport
+    threads, the loopback's TCP work done in their system calls)."""
     dist.barrier()  # every rank starts the step together
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     model(x).backward()
     if isinstance(opt, dmuon.Muon):
         dmuon.wait_gradients(model)
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     opt.step()
     opt.zero_grad()
     if isinstance(opt, dmuon.Muon):
         opt.wait_publish()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, c1 - c0
 
 
 def _lo_tx() -> int:
@@ -171,21 +176,24 @@ def worker(args) -> None:
     x = torch.randn(1, args.tokens, args.d, generator=torch.Generator().manual_seed(rank))
     # compute alone: a plain model on each rank, no process group traffic
     runs = {c: _build(c, args, None if c == "compute alone" else mesh) for c in CONFIGS}
-    times = {c: ([], [], []) for c in CONFIGS}
+    times = {c: ([], [], [], []) for c in CONFIGS}
     timer = dmuon.CommTimer()
     for i in range(args.warmup + args.steps):
         for config, (model, opt) in runs.items():
             with timer:
-                t_fb, t_st = _step(model, opt, x)
+                t_fb, t_st, cpu = _step(model, opt, x)
             if i >= args.warmup:
-                for column, value in zip(times[config], (t_fb, t_st, timer.total()), strict=True):
+                for column, value in zip(
+                    times[config], (t_fb, t_st, timer.total(), cpu), strict=True
+                ):
                     column.append(value)
             timer.seconds.clear()
     out = {}
     for config, (model, opt) in runs.items():
-        fb, st, exposed = times[config]
+        fb, st, exposed, cpu = times[config]
         out[config] = dict(
             fb=statistics.median(fb),
+            cpu=statistics.median(cpu),
             step=statistics.median(st),
             exposed=statistics.median(exposed) if config.startswith("dmuon") else None,
             **_counted(model, opt, x),
@@ -241,9 +249,9 @@ def report(rate: str, res: dict) -> None:
     print(
         "| configuration | fwd+bwd s | step s | exposed comm s | MB/rank/step counted "
         "(fwd+bwd, step) | MB on the link (fwd+bwd) | link time s "
-        "| fwd+bwd / max(compute, link) |"
+        "| fwd+bwd / max(compute, link) | CPU s/rank (fwd+bwd) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for config in CONFIGS:
         r = res[config]
         link = r["wire"] / _rate_bytes(rate) if rate != "none" else 0.0
@@ -252,7 +260,7 @@ def report(rate: str, res: dict) -> None:
         print(
             f"| {config} | {r['fb']:.3f} | {r['step']:.3f} | {exposed} "
             f"| {r['fb_bytes'] / 2**20:.1f}, {r['step_bytes'] / 2**20:.2f} "
-            f"| {r['wire'] / 2**20:.1f} | {link:.3f} | {r['fb'] / floor:.2f}x |"
+            f"| {r['wire'] / 2**20:.1f} | {link:.3f} | {r['fb'] / floor:.2f}x | {r['cpu']:.3f} |"
         )
     for z in ("Z2", "Z3"):
         off, on = res[f"dmuon {z} prefetch off"], res[f"dmuon {z} prefetch on"]
