@@ -81,6 +81,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     keep their current dtype (`Muon(state_dtype=...)`). Collective; nothing is left pending."""
     st = _require(model, optimizer)
     optimizer.wait_publish()  # a background publish would overwrite the loaded values
+    st.scheduler.drop_ahead()  # gathers the step issued carry the values being replaced
     md = _metadata(path)
     sd = _object_dict(model, optimizer, st, load=True)
     _check(path, md, _object_shapes(model, optimizer, st))

@@ -11,6 +11,17 @@ Every rank holds a state entry with the same keys for every parameter (0-size pl
 it does not own the parameter), so `state_dict()` has identical key sets on all ranks. The state
 is per rank: save and load every rank's `state_dict()` (not rank 0's alone).
 
+With `gather_in_step=True` (1-D meshes, prefetch >= 1) the step also issues the next
+forward's gathers (Z2: every unit of the recorded module order; Z3: the first `prefetch`), each
+unit's as soon as this rank has updated its own parameters of it, so they travel while the
+rest of the step computes instead of at the start of the forward. The contract: dedicated
+parameters do not change between `step()` and the next forward (the values are already sent);
+`dmuon_fn.load_checkpoint` drops the gathers first, and an owner that sees its parameter
+changed raises at the next forward instead of computing with the other ranks' stale copies.
+Memory: Z2 holds from the step on the gathered copies its forward holds anyway. The model's
+forward must run eagerly at the root (compiled blocks are fine): a compiled root records no
+module order, and the gathers issued in the step are then dropped unused.
+
 Each step first takes the global gradient norm (one all-reduce, `_guard`): with
 `max_grad_norm` the gradients are clipped by it; with nonfinite="skip" (default) a non-finite
 gradient anywhere leaves every parameter and all optimizer state untouched on every rank (the
@@ -68,6 +79,7 @@ class Muon(torch.optim.Optimizer):
         state_dtype: torch.dtype | None = torch.float32,
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
+        gather_in_step: bool = False,
     ) -> None:
         st = dedicated_state(model)
         if st is None:
@@ -100,6 +112,17 @@ class Muon(torch.optim.Optimizer):
         )
         self.st: DedicatedState = st
         self.replicate_async = replicate_async
+        if gather_in_step and st.replicate_group is not None:
+            raise ValueError(
+                "gather_in_step=True runs on a 1-D mesh; under HSDP each step's publish already "
+                "moves the new values in the background (replicate_async)"
+            )
+        if gather_in_step and st.scheduler.depth < 1:
+            raise ValueError(
+                "gather_in_step=True needs dedicate_params(..., prefetch >= 1): with prefetch 0 "
+                "every gather blocks where it is issued"
+            )
+        self.gather_in_step = bool(gather_in_step)
         self.adjust_lr = adjust_lr
         self.state_dtype = state_dtype
         self.max_grad_norm = max_grad_norm
@@ -180,58 +203,88 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.st.scheduler.wait_reduces()
+        sched = self.st.scheduler
+        sched.wait_reduces()
         ok = self._check_grads()
-        for group in self.param_groups:
-            lr = torch.tensor(group["lr"], dtype=torch.float32)
-            wd = torch.tensor(group["weight_decay"], dtype=torch.float32)
-            for p in group["params"]:
-                e = self.st.entry(p)
-                if p.grad is None or not self._updates_here(p):
-                    continue
-                if e is not None:
-                    if not e.touched:
-                        # no gradient reached it this step (a stale grad kept by
-                        # zero_grad(set_to_none=False)): skip it on every rank alike, as the
-                        # publish does, so replicas never drift apart
-                        continue
-                    self.st.wait_publish(e)  # the last publish may still read this tensor
-                state = self.state[p]
-                if group["kind"] == "muon":
-                    new, ms = muon_update(
-                        p,
-                        p.grad,
-                        state_from(MuonState, state),
-                        lr=lr,
-                        weight_decay=wd,
-                        momentum=group["momentum"],
-                        nesterov=group["nesterov"],
-                        adjust_lr=self.adjust_lr,
-                        ns=self.ns,
-                    )
-                    self.ns_calls += 1
-                    _write(p, new, ok)
-                    for k, v in state_items(ms).items():
-                        _write(state[k], v, ok)
-                else:
-                    lp, lg = fsdp.local(p), fsdp.local(p.grad)
-                    m, v = fsdp.local(state["exp_avg"]), fsdp.local(state["exp_avg_sq"])
-                    new, a = adamw_update(
-                        lp,
-                        lg,
-                        AdamWState(state["step"], m, v),
-                        lr=lr,
-                        betas=group["betas"],
-                        eps=group["eps"],
-                        weight_decay=wd,
-                    )
-                    _write(lp, new, ok)
-                    _write(m, a.exp_avg, ok)
-                    _write(v, a.exp_avg_sq, ok)
-                    _write(state["step"], a.step, ok)
+        hyper = {
+            id(g): (
+                torch.tensor(g["lr"], dtype=torch.float32),
+                torch.tensor(g["weight_decay"], dtype=torch.float32),
+            )
+            for g in self.param_groups
+        }
+        items = [(g, p) for g in self.param_groups for p in g["params"]]
+        keep_all = not self.st.reshard_after_forward
+        units = sched.units_to_gather_in_step(keep_all) if self.gather_in_step else []
+        # with gather_in_step, every unit's parameters are updated before its gather is issued
+        # (unit by unit in the recorded order, the rest first); otherwise the order is the
+        # param groups': the updates are independent, so the results are the same either way
+        first: dict[int, int] = {}
+        for j, unit in enumerate(units):
+            for g in unit.groups:
+                for e in g.entries:
+                    first.setdefault(id(e), j)
+        entry = self.st.entry
+        items.sort(key=lambda it: first.get(id(entry(it[1])), -1))  # stable
+        issued = 0
+        for group, p in items:
+            at = first.get(id(entry(p)), -1)
+            while issued < at:
+                sched.gather_for_next_forward(issued)
+                issued += 1
+            self._update(group, p, *hyper[id(group)], ok)
+        while issued < len(units):
+            sched.gather_for_next_forward(issued)
+            issued += 1
         self.st.publish(self.replicate_async)
         self._sq, self._clipped = None, False
         return loss
+
+    def _update(self, group, p, lr, wd, ok) -> None:
+        """One parameter's update, where this rank makes it (a no-op elsewhere)."""
+        e = self.st.entry(p)
+        if p.grad is None or not self._updates_here(p):
+            return
+        if e is not None:
+            if not e.touched:
+                # no gradient reached it this step (a stale grad kept by
+                # zero_grad(set_to_none=False)): skip it on every rank alike, as the
+                # publish does, so replicas never drift apart
+                return
+            self.st.wait_publish(e)  # the last publish may still read this tensor
+        state = self.state[p]
+        if group["kind"] == "muon":
+            new, ms = muon_update(
+                p,
+                p.grad,
+                state_from(MuonState, state),
+                lr=lr,
+                weight_decay=wd,
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                adjust_lr=self.adjust_lr,
+                ns=self.ns,
+            )
+            self.ns_calls += 1
+            _write(p, new, ok)
+            for k, v in state_items(ms).items():
+                _write(state[k], v, ok)
+        else:
+            lp, lg = fsdp.local(p), fsdp.local(p.grad)
+            m, v = fsdp.local(state["exp_avg"]), fsdp.local(state["exp_avg_sq"])
+            new, a = adamw_update(
+                lp,
+                lg,
+                AdamWState(state["step"], m, v),
+                lr=lr,
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=wd,
+            )
+            _write(lp, new, ok)
+            _write(m, a.exp_avg, ok)
+            _write(v, a.exp_avg_sq, ok)
+            _write(state["step"], a.step, ok)
 
     def _held_grads(self) -> list[tuple[str, torch.Tensor, bool]]:
         """(name, local gradient, counts in the job-wide sum) for every gradient this rank
@@ -321,9 +374,11 @@ class Muon(torch.optim.Optimizer):
                     state[k] = v.to(self.state_dtype)
 
     def wait_publish(self) -> None:
-        """Block until every background publish of the last step, and every gradient reduce of
-        the last backward, has landed."""
+        """Block until every background publish of the last step (with gather_in_step: the next
+        forward's gathers it issued), and every gradient reduce of the last backward, has
+        landed."""
         self.st.scheduler.wait_reduces()
+        self.st.scheduler.wait_ahead()
         for e in self.st.entries:
             self.st.wait_publish(e)
 

@@ -162,6 +162,9 @@ class Scheduler:
         self.current: list[Unit] = []  # this forward's so far
         self.pos = -1  # next expected index into `order`; -1: off the recorded order
         self.ahead: dict[int, Flight] = {}  # position -> gathers issued ahead
+        # the step issued `ahead` for the next forward (`gather_for_next_forward`): each local
+        # owner's (entry, parameter version) at the issue, checked when that forward begins
+        self.from_step: list[tuple[Entry, int]] | None = None
         self.open: tuple[Unit, Flight] | None = None
         self.bpos = -1  # backward: next expected index into `order`, downwards
         self.back: dict[int, Flight] = {}  # backward: position -> re-gathers issued ahead
@@ -211,9 +214,13 @@ class Scheduler:
 
     def begin_forward(self) -> None:
         """The model's forward starts: land last backward's reduces, forget what an earlier
-        forward left owed (a forward without backward), issue the first units."""
+        forward left owed (a forward without backward), issue the first units (keeping those
+        the step issued for it)."""
         self.wait_reduces()
-        self._drain(self.ahead)
+        if self.from_step is None:
+            self._drain(self.ahead)
+        else:
+            self._check_from_step()
         for unit in self.units:
             unit.owed_regathers = 0
         for b in self.buckets:
@@ -230,6 +237,55 @@ class Scheduler:
         self.pos, self.bpos = -1, len(self.order) - 1
         self._drain(self.back)
         self.landed.clear()
+
+    # ------------------------------------------------------------------ gathers in the step
+
+    def units_to_gather_in_step(self, keep_all: bool) -> list[Unit]:
+        """The recorded order's units the step gathers for the next forward: all of them when
+        the forward keeps every gathered copy anyway (Z2), else the first `depth` (Z3's bound
+        of depth + 1 units holds)."""
+        return list(self.order if keep_all else self.order[: self.depth])
+
+    def gather_for_next_forward(self, j: int) -> None:
+        """Issue the gathers of recorded unit `j` now (inside the optimizer step, once this rank
+        has updated its own parameters of it), kept for the next forward. Every rank calls it
+        for j = 0, 1, ... in turn: one collective order."""
+        if j == 0:
+            self.drop_ahead()
+            self.from_step = []
+        unit = self.order[j]
+        self.ahead[j] = self._issue(unit, "step (the next forward's parameter gather)")
+        for g in unit.groups:
+            if self.topo.shard_rank == g.owner:
+                self.from_step += [(e, e.param._version) for e in g.entries]
+
+    def wait_ahead(self) -> None:
+        """Block until the gathers issued ahead have landed (kept for the forward)."""
+        for flight in self.ahead.values():
+            flight.wait()
+
+    def drop_ahead(self) -> None:
+        """Wait for and drop every gather issued ahead (a checkpoint is about to overwrite the
+        parameters: the next forward gathers afresh). Collective in effect: every rank calls it
+        at the same point of the program."""
+        self._drain(self.ahead)
+        self.from_step = None
+
+    def _check_from_step(self) -> None:
+        """The gathers the step issued carry the values the step wrote: a parameter changed since
+        on its owner (only the owner can see it, and the other ranks have received the old
+        value) is an error, never a silent divergence."""
+        changed = [e.name for e, v in self.from_step if e.param._version != v]
+        self.from_step = None
+        if changed:
+            self._drain(self.ahead)
+            raise RuntimeError(
+                f"{changed[:3]}{'...' if len(changed) > 3 else ''} changed between "
+                "optimizer.step() and the next forward, after Muon(gather_in_step=True) had "
+                "sent their values to the other ranks, which now hold the old ones. Change "
+                "dedicated parameters only before step() (or load them with "
+                "dmuon_fn.load_checkpoint), or use gather_in_step=False"
+            )
 
     def _prefetch(self, start: int) -> None:
         if self.pos < 0:

@@ -89,6 +89,9 @@ def collective_log():
 
 
 def _chain(world, hsdp, z3, depth, compile_blocks=False):
+    """depth: the prefetch depth, or "N+step": depth N with Muon(gather_in_step=True)."""
+    in_step = isinstance(depth, str)
+    depth = int(depth.split("+")[0]) if in_step else depth
     mesh, rep = meshes(world, hsdp)
     model = Chain()
     dmuon.dedicate_params(
@@ -99,7 +102,7 @@ def _chain(world, hsdp, z3, depth, compile_blocks=False):
         cnt = CompileCounterWithBackend("aot_eager")
         for i, block in enumerate(model.blocks):
             model.blocks.register_module(str(i), torch.compile(block, backend=cnt, fullgraph=True))
-    return model, muon_fp32(model), cnt
+    return model, muon_fp32(model, gather_in_step=in_step), cnt
 
 
 def _orders(rank, world, hsdp, z3, depth, compile_blocks):
@@ -148,10 +151,11 @@ def _reference(world):
 
 CASES = [
     # world, hsdp, z3, compiled blocks, depths
-    pytest.param(2, False, True, False, (0, 1, 2), id="w2-z3"),
-    pytest.param(2, False, False, False, (0, 1, 2), id="w2-z2"),
-    pytest.param(2, False, True, True, (0, 1), id="w2-z3-compiled"),
-    pytest.param(4, False, True, False, (0, 1), id="w4-z3"),
+    pytest.param(2, False, True, False, (0, 1, 2, "1+step", "2+step"), id="w2-z3"),
+    pytest.param(2, False, False, False, (0, 1, 2, "1+step"), id="w2-z2"),
+    pytest.param(2, False, True, True, (0, 1, "1+step"), id="w2-z3-compiled"),
+    pytest.param(4, False, True, False, (0, 1, "1+step"), id="w4-z3"),
+    pytest.param(4, False, False, False, (0, "1+step"), id="w4-z2"),
     pytest.param(4, True, True, False, (0, 1), id="hsdp2x2-z3"),
     pytest.param(4, True, False, False, (0, 1), id="hsdp2x2-z2"),
 ]

@@ -6,7 +6,9 @@ by side) train a stack of transformer blocks whose q/k/v/o/up/down projections a
 private network namespace whose loopback is rate-limited by a token bucket (`ip netns add`,
 `tc qdisc add dev lo root tbf rate R burst 256kb latency 200ms`, created and removed here;
 nothing outside the namespace is touched; needs root), so communication costs what it costs
-between nodes. Without a rate (`none`), plain loopback.
+between nodes. Without a rate (`none`), plain loopback. "gather in step":
+`Muon(gather_in_step=True)`, the next forward's gathers travel during the optimizer step (so
+they leave forward+backward and its link bytes, and the step carries them).
 
 Every configuration is built at once and they step round-robin (drift hits all alike). Per
 configuration, medians over the timed steps of: forward+backward seconds (until the gradients
@@ -52,7 +54,8 @@ import dmuon_fn as dmuon
 
 WORLD = 2
 CONFIGS = ["compute alone", "FSDP2 + AdamW", "dmuon Z2 prefetch off", "dmuon Z2 prefetch on",
-           "dmuon Z3 prefetch off", "dmuon Z3 prefetch on"]  # fmt: skip
+           "dmuon Z2 prefetch on, gather in step", "dmuon Z3 prefetch off", "dmuon Z3 prefetch on",
+           "dmuon Z3 prefetch on, gather in step"]  # fmt: skip
 
 
 class Block(nn.Module):
@@ -103,13 +106,14 @@ def _build(config: str, args, mesh):
             prefetch=0 if "off" in config else args.prefetch,
             pure=args.pure,
         )
+        in_step = "gather in step" in config
         if args.pure:
-            return model, dmuon.Muon(model, lr=0.01, adamw_lr=1e-4)
+            return model, dmuon.Muon(model, lr=0.01, adamw_lr=1e-4, gather_in_step=in_step)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward="Z3" in config)
     fully_shard(model, mesh=mesh)
     if config.startswith("dmuon"):
-        return model, dmuon.Muon(model, lr=0.01, adamw_lr=1e-4)
+        return model, dmuon.Muon(model, lr=0.01, adamw_lr=1e-4, gather_in_step=in_step)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
