@@ -96,6 +96,7 @@ def dedicate_params(
             "predicate matched no parameter: e.g. predicate=lambda n, p: 'proj' in n and "
             "p.ndim == 2 dedicates the projection matrices"
         )
+    _refuse_dtensors(seen, params, pure)
     if not pure:
         for pid, names in seen.items():
             if params[pid].ndim < 2:
@@ -215,6 +216,28 @@ def _sync_replicas(st: DedicatedState) -> None:
                 broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
             if not st.is_global_owner(e):
                 e.param.detach().copy_(buf)
+
+
+def _refuse_dtensors(seen: dict, params: dict, pure: bool) -> None:
+    """Dedicated parameters must be plain tensors. DTensors here come from tensor parallelism
+    (`parallelize_module`) or `distribute_tensor`: not supported yet, with what to do instead."""
+    tp = [(names[0], params[pid]) for pid, names in seen.items() if fsdp.is_dtensor(params[pid])]
+    if not tp:
+        return
+    shown = "; ".join(f"{n} ({fsdp.dtensor_layout(p)})" for n, p in tp[:3])
+    instead = (
+        "pass a predicate that leaves them out instead of pure=True"
+        if pure
+        else "leave them out of the predicate, e.g. predicate=lambda n, p: <yours> and not "
+        "isinstance(p, DTensor)"
+    )
+    raise ValueError(
+        f"{len(tp)} selected parameter(s) are DTensors: {shown}{'; ...' if len(tp) > 3 else ''}. "
+        "Dedicating tensor-parallel (or otherwise distributed) parameters is not supported yet. "
+        f"To train this model now, {instead}: Muon then updates them with AdamW on their local "
+        "shards (fully_shard over the data mesh synchronizes their gradients), and dedicates "
+        "the replicated matrices"
+    )
 
 
 def _state_of(model: nn.Module) -> DedicatedState:

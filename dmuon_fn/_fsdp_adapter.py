@@ -71,9 +71,16 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
+    """`fully_shard` was applied to the module or one below it (its class becomes an
+    FSDPModule). DTensor parameters alone are not FSDP2's: tensor parallelism makes them too."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def dtensor_layout(p: torch.Tensor) -> str:
+    """A DTensor parameter's placements over its mesh's dimensions, for messages."""
+    mesh = p.device_mesh
+    dims = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    return ", ".join(f"{d}: {pl!r}" for d, pl in zip(dims, p.placements, strict=True))
 
 
 def _func_cell() -> Any:

@@ -142,7 +142,11 @@ class _Z3Saver:
         self.live.clear()
 
     def pack(self, t: Tensor):
-        hit = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        # a gathered value is a plain tensor; a subclass (a tensor-parallel DTensor, say) has no
+        # storage of its own to look up and is never one of ours
+        if t.device.type == "meta" or type(t) not in (Tensor, nn.Parameter):
+            return t
+        hit = self.live.get(t.untyped_storage().data_ptr())
         if hit is None or hit[2]() is None:
             return t
         unit, i = hit[0], hit[1]

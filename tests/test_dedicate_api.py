@@ -69,6 +69,58 @@ def test_bad_input_is_a_clear_error():
         assert "first difference at parameter #" in r["plans_differ"]
 
 
+class _TPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+        self.mix = nn.Linear(8, 8, bias=False)  # replicated: dedicated
+
+    def forward(self, x):
+        return self.mix(self.down(torch.relu(self.up(x)))).square().mean()
+
+
+def _tensor_parallel(rank, world):
+    """The recipe a tensor-parallel user tries first: a (dp 1, tp 2) mesh, parallelize_module,
+    then dedicate_params on the data mesh; and the workaround the error names."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    out = {}
+    model = parallelize_module(_TPNet(), mesh["tp"], plan)
+    out["all"] = _raises(lambda: dmuon.dedicate_params(model, mesh["dp"], lambda n, p: True))
+    out["pure"] = _raises(lambda: dmuon.dedicate_params(model, mesh["dp"], pure=True))
+    model = parallelize_module(_TPNet(), mesh["tp"], plan)
+    dmuon.dedicate_params(model, mesh["dp"], lambda n, p: not isinstance(p, DTensor))
+    opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).backward()
+    opt.step()
+    out["moved"] = sorted(
+        n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])
+    )
+    out["kinds"] = {g["kind"]: len(g["params"]) for g in opt.param_groups}
+    return out
+
+
+def test_tensor_parallel_parameters_are_refused_with_what_to_do_instead():
+    for r in run_ranks(_tensor_parallel, 2):
+        for key in ("all", "pure"):
+            assert "2 selected parameter(s) are DTensors: up.weight (tp: Shard(dim=0)); " in r[key]
+            assert "down.weight (tp: Shard(dim=1))" in r[key], r[key]
+            assert "not supported yet" in r[key] and "before fully_shard" not in r[key]
+        assert "not isinstance(p, DTensor)" in r["all"]
+        assert "instead of pure=True" in r["pure"]
+        # the workaround trains: the TP shards with AdamW, the replicated matrix with Muon
+        assert r["kinds"] == {"muon": 1, "adamw": 2}
+        assert r["moved"] == ["down.weight", "mix.weight", "up.weight"]
+
+
 def _meshes_disagree(rank, world):
     m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     other = init_device_mesh("cpu", (4,), mesh_dim_names=("replicate",))
