@@ -29,6 +29,12 @@ units before it (reverse recorded order) ahead. With gradient sync off
 (`set_requires_gradient_sync`) the sums stay on each rank and the next synchronized reduce
 carries them: no collective until then.
 
+Gathers in the step (`Muon(gather_in_step=True)`): the optimizer step issues the next
+forward's gathers of the recorded order's units (Z2: all; Z3: the first `depth`) into `ahead`,
+each once the rank's updates of it are done; the forward takes them as prefetched gathers. Each
+owner records its parameters' version counters at the issue and checks them when the forward
+begins (a change in between raises); `drop_ahead` (checkpoint loading) discards them.
+
 Prefetch 0: every gather and reduce is issued where it is needed and waited for at once, so
 nothing overlaps (the same collectives on the same bytes: results equal bit for bit).
 
