@@ -76,6 +76,20 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+def managed_params(model: nn.Module) -> set[int]:
+    """ids of the parameters `fully_shard` manages in `model` (its sharded DTensors)."""
+    out: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # a torch with one group per state
+                groups = [g] if (g := state._fsdp_param_group) is not None else []
+            for group in groups:
+                out.update(id(fp.sharded_param) for fp in group.fsdp_params)
+    return out
+
+
 def dtensor_layout(p: torch.Tensor) -> str:
     """A DTensor parameter's placements over its mesh's dimensions, for messages."""
     mesh = p.device_mesh

@@ -140,15 +140,22 @@ class Muon(torch.optim.Optimizer):
             e = st.entry(p)
             (muon if e is not None and e.is_matrix else adamw).append(p)
         if dist.is_initialized() and dist.get_world_size() > 1:
+            # a DTensor that fully_shard does not manage is tensor-parallel: fine where the data
+            # mesh has one rank, never synchronized over a larger one
+            managed, data_parallel = fsdp.managed_params(model), st.shard_size * st.replicate_size
             loose = [
-                self._names[id(p)] for p in adamw if st.entry(p) is None and not fsdp.is_dtensor(p)
+                self._names[id(p)]
+                for p in adamw
+                if st.entry(p) is None
+                and id(p) not in managed
+                and (data_parallel > 1 or not fsdp.is_dtensor(p))
             ]
             if loose:
                 raise ValueError(
                     f"{loose[:3]}{'...' if len(loose) > 3 else ''} are neither dedicated nor "
                     "sharded by fully_shard, so their gradients are never synchronized: call "
-                    "fully_shard on the model after dedicate_params, or dedicate_params(..., "
-                    "pure=True)"
+                    "fully_shard on the model (over the data mesh) after dedicate_params, or "
+                    "dedicate_params(..., pure=True)"
                 )
         groups = [
             dict(

@@ -121,6 +121,34 @@ def test_tensor_parallel_parameters_are_refused_with_what_to_do_instead():
         assert r["moved"] == ["down.weight", "mix.weight", "up.weight"]
 
 
+def _tensor_parallel_2d(rank, world):
+    """(dp 2, tp 2): TP shards left to AdamW must still be synchronized over the data mesh."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for shard in (False, True):
+        model = parallelize_module(
+            _TPNet(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        )
+        dmuon.dedicate_params(model, mesh["dp"], lambda n, p: not isinstance(p, DTensor))
+        if shard:
+            fully_shard(model, mesh=mesh["dp"])
+        out[shard] = _raises(lambda m=model: dmuon.Muon(m))
+    return out
+
+
+def test_tensor_parallel_shards_left_to_adamw_need_fully_shard_over_the_data_mesh():
+    for r in run_ranks(_tensor_parallel_2d, 4):
+        assert "neither dedicated nor sharded by fully_shard" in r[False], r[False]
+        assert "up.weight" in r[False] and "down.weight" in r[False]
+        assert r[True] == "no error", r[True]
+
+
 def _meshes_disagree(rank, world):
     m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     other = init_device_mesh("cpu", (4,), mesh_dim_names=("replicate",))
