@@ -222,15 +222,10 @@ class Muon(torch.optim.Optimizer):
         }
         items = [(g, p) for g in self.param_groups for p in g["params"]]
         keep_all = not self.st.reshard_after_forward
-        units = sched.units_to_gather_in_step(keep_all) if self.gather_in_step else []
+        count, first = sched.gather_in_step_plan(keep_all) if self.gather_in_step else (0, {})
         # with gather_in_step, every unit's parameters are updated before its gather is issued
         # (unit by unit in the recorded order, the rest first); otherwise the order is the
         # param groups': the updates are independent, so the results are the same either way
-        first: dict[int, int] = {}
-        for j, unit in enumerate(units):
-            for g in unit.groups:
-                for e in g.entries:
-                    first.setdefault(id(e), j)
         entry = self.st.entry
         items.sort(key=lambda it: first.get(id(entry(it[1])), -1))  # stable
         issued = 0
@@ -240,7 +235,7 @@ class Muon(torch.optim.Optimizer):
                 sched.gather_for_next_forward(issued)
                 issued += 1
             self._update(group, p, *hyper[id(group)], ok)
-        while issued < len(units):
+        while issued < count:
             sched.gather_for_next_forward(issued)
             issued += 1
         self.st.publish(self.replicate_async)

@@ -246,11 +246,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ gathers in the step
 
-    def units_to_gather_in_step(self, keep_all: bool) -> list[Unit]:
-        """The recorded order's units the step gathers for the next forward: all of them when
-        the forward keeps every gathered copy anyway (Z2), else the first `depth` (Z3's bound
-        of depth + 1 units holds)."""
-        return list(self.order if keep_all else self.order[: self.depth])
+    def gather_in_step_plan(self, keep_all: bool) -> tuple[int, dict[int, int]]:
+        """How many of the recorded order's units the step gathers for the next forward (all of
+        them when the forward keeps every gathered copy anyway, Z2; else the first `depth`, so
+        Z3's bound of depth + 1 units holds), and for each of their entries (by id) the first
+        of those units that holds it: its update must come before that unit's gather."""
+        units = self.order if keep_all else self.order[: self.depth]
+        first: dict[int, int] = {}
+        for j, unit in enumerate(units):
+            for g in unit.groups:
+                for e in g.entries:
+                    first.setdefault(id(e), j)
+        return len(units), first
 
     def gather_for_next_forward(self, j: int) -> None:
         """Issue the gathers of recorded unit `j` now (inside the optimizer step, once this rank

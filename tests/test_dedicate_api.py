@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
@@ -83,12 +84,6 @@ class _TPNet(nn.Module):
 def _tensor_parallel(rank, world):
     """The recipe a tensor-parallel user tries first: a (dp 1, tp 2) mesh, parallelize_module,
     then dedicate_params on the data mesh; and the workaround the error names."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     out = {}
@@ -123,12 +118,6 @@ def test_tensor_parallel_parameters_are_refused_with_what_to_do_instead():
 
 def _tensor_parallel_2d(rank, world):
     """(dp 2, tp 2): TP shards left to AdamW must still be synchronized over the data mesh."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
     for shard in (False, True):
