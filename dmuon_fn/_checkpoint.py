@@ -6,7 +6,9 @@ world size or mesh shape. Every rank writes only what it holds; nothing is gathe
   API's fp32 master, the functional API's `State.params` value), so it is written exactly once;
   an FSDP2 parameter as its DTensor on every rank (DCP writes each shard once, deduplicating
   HSDP replicas); a plain parameter or buffer (replicated) on every rank, written once by DCP's
-  dedup. Tied parameters under their first name.
+  dedup. Tied parameters under their first name. Under tensor parallelism each tensor rank of
+  the global owner slot writes its part, keyed as a DTensor shard of the whole (a whole copy as
+  the plain tensor, written once), so a checkpoint loads at any tensor-parallel degree.
 - `optim.<name>.<key>`: the optimizer state of a parameter on the rank(s) that update it: the
   global owner of a dedicated parameter, every rank for FSDP2 shards (DTensor moments, a
   replicated 0-d step). Keys: Muon `momentum_buffer`; AdamW `step` (0-d float32), `exp_avg`,
@@ -196,7 +198,7 @@ def _object_dict(
         names[id(p)] = n
         e = st.entry(p)
         if e is None or st.is_global_owner(e) or (load and st.is_local_owner(e)):
-            sd[f"model.{n}"] = p.detach()
+            sd[f"model.{n}"] = _part(e, p.detach())
     for n, b in _buffers(model).items():
         sd[f"model.{n}"] = b.detach()
     for group in optimizer.param_groups:
@@ -207,10 +209,16 @@ def _object_dict(
             e = st.entry(p)
             if e is None or st.is_global_owner(e):
                 for k, v in optimizer.state[p].items():
-                    sd[f"optim.{names[id(p)]}.{k}"] = v
+                    sd[f"optim.{names[id(p)]}.{k}"] = v if v.ndim == 0 else _part(e, v)
     for k, v in _counters(optimizer).items():
         sd[f"optim.{k}"] = v
     return sd
+
+
+def _part(e, t: torch.Tensor) -> torch.Tensor:
+    """A dedicated tensor as the checkpoint keys it: under tensor parallelism this rank's part
+    as a DTensor of the whole (DCP reshards it to any tensor-parallel degree on load)."""
+    return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
 def _counters(optimizer: Muon) -> dict[str, torch.Tensor]:
@@ -224,7 +232,7 @@ def _object_shapes(model: nn.Module, optimizer: Muon, st: DedicatedState) -> dic
     full = {}
     for n, p in model.named_parameters():
         e = st.entry(p)
-        full[id(p)] = (n, tuple(p.shape if e is None else e.shape))  # DTensor: the global shape
+        full[id(p)] = (n, tuple(p.shape if e is None else e.full_shape))  # DTensor: global
     shapes = {f"model.{n}": s for n, s in full.values()}
     shapes.update({f"model.{n}": tuple(b.shape) for n, b in _buffers(model).items()})
     for group in optimizer.param_groups:

@@ -40,6 +40,14 @@ from ._schedule import Scheduler, make_groups, make_units
 from ._state import STATE_ATTR, DedicatedState, dedicated_state
 from ._summary import PlanSummary
 from ._summary import plan_summary as _summarize
+from ._tensor_parallel import (
+    TensorMesh,
+    check_crossing,
+    find_tensor_mesh,
+    layout_name,
+    make_layout,
+    part_of,
+)
 
 Predicate = Callable[[str, nn.Parameter], bool]
 __all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state", "plan_summary"]
@@ -82,7 +90,10 @@ def dedicate_params(
         )
     if predicate is None and not pure:
         raise ValueError("pass a predicate(name, param) -> bool, or pure=True to dedicate all")
-    check_meshes(mesh, replicate_mesh)
+    tmesh = find_tensor_mesh(model)
+    check_meshes(mesh, replicate_mesh, tensor_size=1 if tmesh is None else tmesh.size())
+    if tmesh is not None:
+        check_crossing(tmesh, [m for m in (mesh, replicate_mesh) if m is not None])
     check_dtypes(param_dtype, reduce_dtype)
 
     seen: dict[int, list[str]] = {}
@@ -96,7 +107,6 @@ def dedicate_params(
             "predicate matched no parameter: e.g. predicate=lambda n, p: 'proj' in n and "
             "p.ndim == 2 dedicates the projection matrices"
         )
-    _refuse_dtensors(seen, params, pure)
     if not pure:
         for pid, names in seen.items():
             if params[pid].ndim < 2:
@@ -114,8 +124,18 @@ def dedicate_params(
     non_matrix = [n for n in names_in_order if len(shapes[n]) < 2]
     device = _mesh_device(mesh, next(iter(params.values())).device)
     aspect = agreed_aspect(device)  # every rank plans (and runs) rank 0's NS dispatch
+    tp = None
+    if tmesh is not None:  # every parameter's layout over the tensor ranks joins the plan
+        group = own_group(tmesh.get_group())
+        tp = TensorMesh(tmesh, group, tmesh.get_local_rank(), tmesh.size())
     plan = partition(
-        shapes, G * R, replicate_size=R, elementwise=non_matrix, gram_min_aspect=aspect
+        shapes,
+        G * R,
+        replicate_size=R,
+        elementwise=non_matrix,
+        gram_min_aspect=aspect,
+        tensor_size=1 if tp is None else tp.size,
+        layouts=None if tp is None else {seen[i][0]: layout_name(params[i]) for i in seen},
     )
     check_plan_consistent(plan)
 
@@ -128,14 +148,17 @@ def dedicate_params(
         shard_size=G,
         replicate_size=R,
         reshard_after_forward=reshard_after_forward,
+        tensor=tp,
     )
     new_params: dict[int, nn.Parameter] = {}
     for pid, names in seen.items():
-        old = params[pid]
+        old = part_of(params[pid])  # (tensor parallelism: this tensor rank's part)
         owner = plan.owner(names[0])
         shard, rep = owner if isinstance(owner, tuple) else (owner, 0)
         dt = param_dtype or old.dtype
         e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
+        if tp is not None:
+            e.tp = make_layout(params[pid], tp, plan.tensor_slot(names[0]))
         device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
             data = old.detach().to(device, master_dtype(old.dtype), copy=True)
@@ -216,28 +239,6 @@ def _sync_replicas(st: DedicatedState) -> None:
                 broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
             if not st.is_global_owner(e):
                 e.param.detach().copy_(buf)
-
-
-def _refuse_dtensors(seen: dict, params: dict, pure: bool) -> None:
-    """Dedicated parameters must be plain tensors. DTensors here come from tensor parallelism
-    (`parallelize_module`) or `distribute_tensor`: not supported yet, with what to do instead."""
-    tp = [(names[0], params[pid]) for pid, names in seen.items() if fsdp.is_dtensor(params[pid])]
-    if not tp:
-        return
-    shown = "; ".join(f"{n} ({fsdp.dtensor_layout(p)})" for n, p in tp[:3])
-    instead = (
-        "pass a predicate that leaves them out instead of pure=True"
-        if pure
-        else "leave them out of the predicate, e.g. predicate=lambda n, p: <yours> and not "
-        "isinstance(p, DTensor)"
-    )
-    raise ValueError(
-        f"{len(tp)} selected parameter(s) are DTensors: {shown}{'; ...' if len(tp) > 3 else ''}. "
-        "Dedicating tensor-parallel (or otherwise distributed) parameters is not supported yet. "
-        f"To train this model now, {instead}: Muon then updates them with AdamW on their local "
-        "shards (fully_shard over the data mesh synchronizes their gradients), and dedicates "
-        "the replicated matrices"
-    )
 
 
 def _state_of(model: nn.Module) -> DedicatedState:

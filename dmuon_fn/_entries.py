@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ._comm import blocked
 from ._guard import phase
+from ._tensor_parallel import TensorLayout
 
 
 @dataclass(eq=False)
@@ -38,10 +39,18 @@ class Entry:
     # backward sets its .grad when it reaches that slot's gather
     handles: list[torch.Tensor] = field(default_factory=list)
     device: torch.device | None = None  # param's: compiled hooks read this, never `param`
+    # tensor parallelism: `shape` and `param` are this tensor rank's part of the parameter, whose
+    # layout (and whole shape) this is (dmuon_fn/_tensor_parallel.py); None without
+    tp: TensorLayout | None = None
 
     @property
     def is_matrix(self) -> bool:
         return len(self.shape) >= 2
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The whole parameter's shape (`shape`, unless tensor parallelism splits it)."""
+        return self.shape if self.tp is None else self.tp.full_shape
 
     @property
     def numel(self) -> int:

@@ -19,6 +19,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -51,10 +52,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def counted_here(t: torch.Tensor) -> bool:
+def counted_here(t: torch.Tensor, copies: tuple[set[int], int] | None = None) -> bool:
     """Whether this rank's local part of `t` counts in a sum over the job: a DTensor's local
     shard counts on the rank at coordinate 0 of every mesh dim it is replicated over (HSDP
-    replicas hold identical copies); a plain tensor always."""
+    replicas hold identical copies); a plain tensor always. copies: (ranks, index): this rank is
+    rank `index` of `ranks`, which hold equal copies of whatever a mesh without any of the other
+    `ranks` holds (tensor-parallel ranks, for a parameter they do not split): such a value
+    counts on index 0 only."""
+    if copies is not None:
+        ranks, index = copies
+        mesh = set(t.device_mesh.mesh.flatten().tolist()) if isinstance(t, DTensor) else set()
+        if index != 0 and not (mesh & ranks) - {dist.get_rank()}:
+            return False
     if not isinstance(t, DTensor):
         return True
     coord = t.device_mesh.get_coordinate()
@@ -88,13 +97,6 @@ def managed_params(model: nn.Module) -> set[int]:
             for group in groups:
                 out.update(id(fp.sharded_param) for fp in group.fsdp_params)
     return out
-
-
-def dtensor_layout(p: torch.Tensor) -> str:
-    """A DTensor parameter's placements over its mesh's dimensions, for messages."""
-    mesh = p.device_mesh
-    dims = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    return ", ".join(f"{d}: {pl!r}" for d, pl in zip(dims, p.placements, strict=True))
 
 
 def _func_cell() -> Any:

@@ -194,7 +194,10 @@ def install_hooks(
         if torch.compiler.is_compiling():
             torch.ops.dmuon.gather_start(unit_handles)
         for pname, slot in slots:
-            object.__setattr__(mod, pname, gather(slot, st))
+            value = gather(slot, st)
+            if slot.e.tp is not None:  # this tensor rank's part, as the DTensor the module had
+                value = slot.e.tp.to_module(value)
+            object.__setattr__(mod, pname, value)
         if eager_z3 and torch.is_grad_enabled():
             saver.enter(unit)
 

@@ -24,9 +24,12 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
+def check_meshes(
+    mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, *, tensor_size: int = 1
+) -> None:
     """A 1-D shard mesh, and under HSDP a 1-D replicate mesh: the two dims of one 2-D mesh
-    named ('replicate', 'shard') that together span the world."""
+    named ('replicate', 'shard') that together span the world (with `tensor_size` tensor
+    ranks per data coordinate: a ('replicate', 'shard', <tensor>) mesh)."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(
             f"mesh must be a 1-D DeviceMesh (for HSDP pass hsdp['shard'] and "
@@ -43,11 +46,12 @@ def check_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
             "init_device_mesh(dev, (R, G), mesh_dim_names=('replicate', 'shard')) and pass "
             f"mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']; got dim names {names}"
         )
-    if mesh.size() * replicate_mesh.size() != dist.get_world_size():
+    if mesh.size() * replicate_mesh.size() * tensor_size != dist.get_world_size():
+        tensor = f" and {tensor_size} tensor-parallel ranks" if tensor_size > 1 else ""
         raise ValueError(
-            f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks) "
-            f"disagree with the world size {dist.get_world_size()}: they must be the 'shard' and "
-            "'replicate' dims of one 2-D mesh"
+            f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks)"
+            f"{tensor} disagree with the world size {dist.get_world_size()}: they must be the "
+            "'shard' and 'replicate' dims of one 2-D mesh"
         )
     shard_ranks = set(mesh.mesh.flatten().tolist())
     rep_ranks = set(replicate_mesh.mesh.flatten().tolist())

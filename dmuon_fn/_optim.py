@@ -44,12 +44,15 @@ from ._dispatch import setup_field
 from ._orthogonalize import NSConfig
 from ._plan_check import check_setup_consistent, kernel_field
 from ._state import DedicatedState, dedicated_state
+from ._tp_exchange import TensorExchange
 from ._update import (
     AdamWState,
     MuonState,
     adamw_init,
     adamw_update,
+    muon_apply,
     muon_init,
+    muon_momentum,
     muon_update,
     state_from,
     state_items,
@@ -134,6 +137,11 @@ class Muon(torch.optim.Optimizer):
         self._sq: torch.Tensor | None = None  # this step's Σ‖g‖², once taken
         self._clipped = False
         self.ns_calls = 0  # Newton-Schulz runs on this rank, for tests and benchmarks
+        self._index = {id(e): i for i, e in enumerate(st.entries)}  # the same on every rank
+        self._exchange: TensorExchange | None = None
+        # tensor parallelism: the tensor ranks hold equal copies of what they do not split
+        tp = st.tensor
+        self._copies = None if tp is None else (set(tp.mesh.mesh.flatten().tolist()), tp.rank)
         self._names = {id(p): n for n, p in model.named_parameters()}
         muon, adamw = [], []
         for p in model.parameters():
@@ -228,6 +236,8 @@ class Muon(torch.optim.Optimizer):
         # param groups': the updates are independent, so the results are the same either way
         entry = self.st.entry
         items.sort(key=lambda it: first.get(id(entry(it[1])), -1))  # stable
+        # tensor parallelism: every matrix's Newton-Schulz first, each on its root tensor rank
+        self._exchange = self._orthogonalize_split(items, ok) if self.st.tensor else None
         issued = 0
         for group, p in items:
             at = first.get(id(entry(p)), -1)
@@ -238,24 +248,60 @@ class Muon(torch.optim.Optimizer):
         while issued < count:
             sched.gather_for_next_forward(issued)
             issued += 1
+        if self._exchange is not None:
+            self._exchange.finish()
+            self._exchange = None
         self.st.publish(self.replicate_async)
         self._sq, self._clipped = None, False
         return loss
 
+    def _steps(self, p: torch.Tensor) -> bool:
+        """Whether this step updates `p` on this rank."""
+        if p.grad is None or not self._updates_here(p):
+            return False
+        e = self.st.entry(p)
+        # a dedicated parameter no gradient reached this step (a stale grad kept by
+        # zero_grad(set_to_none=False)) is skipped on every rank alike, as the publish does, so
+        # replicas never drift apart
+        return e is None or e.touched
+
+    def _orthogonalize_split(self, items, ok) -> TensorExchange:
+        """Tensor parallelism: each dedicated matrix's momentum on every tensor rank of its
+        owner slot, then its Newton-Schulz once, on its root (dmuon_fn/_tp_exchange.py)."""
+        ex = TensorExchange(self.ns)
+        for group, p in items:
+            e = self.st.entry(p)
+            if group["kind"] != "muon" or e is None or e.tp is None or not self._steps(p):
+                continue
+            state = self.state[p]
+            u, ms = muon_momentum(
+                p.grad,
+                state_from(MuonState, state),
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+            )
+            for k, v in state_items(ms).items():
+                _write(state[k], v, ok)
+            ex.post(e, self._index[id(e)], u)
+        ex.orthogonalize()
+        self.ns_calls += ex.ns_calls
+        return ex
+
     def _update(self, group, p, lr, wd, ok) -> None:
         """One parameter's update, where this rank makes it (a no-op elsewhere)."""
-        e = self.st.entry(p)
-        if p.grad is None or not self._updates_here(p):
+        if not self._steps(p):
             return
+        e = self.st.entry(p)
         if e is not None:
-            if not e.touched:
-                # no gradient reached it this step (a stale grad kept by
-                # zero_grad(set_to_none=False)): skip it on every rank alike, as the
-                # publish does, so replicas never drift apart
-                return
             self.st.wait_publish(e)  # the last publish may still read this tensor
         state = self.state[p]
-        if group["kind"] == "muon":
+        if group["kind"] == "muon" and e.tp is not None:  # orthogonalized in the exchange
+            O = self._exchange.result(e)
+            new = muon_apply(
+                p, O, lr=lr, weight_decay=wd, adjust_lr=self.adjust_lr, shape=e.full_shape
+            )
+            _write(p, new, ok)
+        elif group["kind"] == "muon":
             new, ms = muon_update(
                 p,
                 p.grad,
@@ -294,12 +340,15 @@ class Muon(torch.optim.Optimizer):
         out = []
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None or not self._updates_here(p):
-                    continue
+                if not self._steps(p):
+                    continue  # (a stale gradient: step() skips it, so does the norm)
                 e = self.st.entry(p)
-                if e is not None and not e.touched:
-                    continue  # a stale gradient: step() skips it, so does the norm
-                out.append((self._names[id(p)], fsdp.local(p.grad), fsdp.counted_here(p.grad)))
+                if e is not None and e.tp is not None:
+                    # a split matrix's parts are distinct; a whole copy counts on tensor rank 0
+                    counted = e.tp.sharded or e.tp.tp.rank == 0
+                else:
+                    counted = fsdp.counted_here(p.grad, self._copies)
+                out.append((self._names[id(p)], fsdp.local(p.grad), counted))
         return out
 
     def _global_sq(self) -> torch.Tensor:

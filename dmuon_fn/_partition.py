@@ -135,6 +135,12 @@ class Plan:
     slot_loads: tuple[float, ...]
     slot_bytes: tuple[int, ...]
     ns_flops: tuple[float, ...]
+    # tensor parallelism (`tensor_size` > 1, or `layouts` given): each parameter's layout over
+    # the tensor-parallel ranks, and the tensor rank of its owner slot that runs its
+    # Newton-Schulz (the owner slot's T tensor ranks each hold and update a part of it)
+    tensor_size: int = 1
+    tensor_slots: tuple[int, ...] = ()
+    layouts: tuple[str, ...] = ()
 
     @property
     def shard_size(self) -> int:
@@ -156,6 +162,11 @@ class Plan:
         if self.replicate_size == 1:
             return s
         return s % self.shard_size, s // self.shard_size
+
+    def tensor_slot(self, name: str) -> int:
+        """The tensor-parallel rank of `name`'s owner slot that orthogonalizes it (0 without
+        tensor parallelism)."""
+        return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
     def owned_by(self, owner: int | tuple[int, int]) -> tuple[str, ...]:
         """Names owned by a slot (int) or by (shard, replicate), in name order."""
@@ -195,7 +206,8 @@ class Plan:
         )
 
     def canonical(self) -> str:
-        """The encoding `digest` hashes: JSON of sizes and (name, shape, slot) in name order."""
+        """The encoding `digest` hashes: JSON of sizes and (name, shape, slot) in name order;
+        with tensor parallelism also the tensor size and (layout, tensor slot) per name."""
         body = {
             "world_size": self.world_size,
             "replicate_size": self.replicate_size,
@@ -204,6 +216,9 @@ class Plan:
                 for n, sh, s in zip(self.names, self.shapes, self.slots, strict=True)
             ],
         }
+        if self.tensor_slots or self.layouts:
+            body["tensor_size"] = self.tensor_size
+            body["tensor"] = [list(x) for x in zip(self.layouts, self.tensor_slots, strict=True)]
         return json.dumps(body, separators=(",", ":"), ensure_ascii=True)
 
     def digest(self) -> str:
@@ -257,6 +272,8 @@ def partition(
     refine: bool = True,
     spread_tolerance: float = SPREAD_TOLERANCE,
     gram_min_aspect: float = GRAM_MIN_ASPECT,
+    tensor_size: int = 1,
+    layouts: Mapping[str, str] | None = None,
 ) -> Plan:
     """Assign every parameter exactly one owner slot, balancing the cost model above.
 
@@ -274,6 +291,13 @@ def partition(
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
         may be and still be chosen (0: the plan never exceeds plain LPT's maximum load; always
         within the LPT bound).
+
+    tensor_size, layouts: tensor parallelism (T ranks; {name: layout}, e.g. "Shard(0)",
+        "Replicate()", "plain", for every name). Shapes are the whole parameters'. An owner slot
+        is then a data-parallel coordinate whose T tensor ranks each hold their part of the
+        parameter; within each slot the matrices' Newton-Schulz runs are spread over the T
+        tensor ranks by the same scheduler (`Plan.tensor_slots`), so the busiest (data, tensor)
+        rank is balanced in two levels: data slots first, tensor ranks within each.
 
     The result depends only on the names and shapes, not on their order or on hash seeds.
     """
@@ -295,8 +319,11 @@ def partition(
             raise ValueError(f"{key} must be finite and >= 0, got {val!r}")
     if not gram_min_aspect >= 1.0:
         raise ValueError(f"gram_min_aspect must be >= 1 (inf: never Gram), got {gram_min_aspect!r}")
+    tensor_size = _check_int("tensor_size", tensor_size, 1)
     pairs = _pairs(named_shapes)
     names = [n for n, _ in pairs]
+    if layouts is not None and set(layouts) != set(names):
+        raise ValueError("layouts must name exactly the parameters of named_shapes")
     unknown = sorted(set(elementwise) - set(names))
     if unknown:
         raise ValueError(f"elementwise names not in named_shapes: {unknown[:5]}")
@@ -340,6 +367,10 @@ def partition(
     )
     slots = [u_slot[unit_of[i]] for i in range(len(pairs))]
 
+    tensor_slots: list[int] = []
+    if tensor_size > 1 or layouts is not None:
+        tensor_slots = _tensor_slots(slots, ns, tensor_size)
+
     loads: list[list[float]] = [[] for _ in range(world_size)]
     sbytes = [0] * world_size
     for i, s in enumerate(slots):
@@ -358,4 +389,20 @@ def partition(
         slot_loads=tuple(math.fsum(x) for x in loads),
         slot_bytes=tuple(sbytes),
         ns_flops=tuple(ns),
+        tensor_size=tensor_size,
+        tensor_slots=tuple(tensor_slots),
+        layouts=tuple(layouts[n] for n in names) if layouts is not None else (),
     )
+
+
+def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
+    """Per parameter, the tensor rank of its owner slot that runs its Newton-Schulz: each
+    slot's matrices scheduled over its `tensor_size` ranks by their Newton-Schulz FLOPs
+    (elementwise parameters, with none, stay on rank 0)."""
+    out = [0] * len(slots)
+    for slot in sorted(set(slots)):
+        idx = [i for i, s in enumerate(slots) if s == slot and ns[i] > 0]
+        if idx:
+            for i, t in zip(idx, schedule([ns[i] for i in idx], tensor_size), strict=True):
+                out[i] = t
+    return out

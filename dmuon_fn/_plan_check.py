@@ -3,8 +3,9 @@
 Ranks that disagree on an owner hang in the first broadcast or reduce (a rank waits for a
 sender that never sends), so the plans are compared once, before any parameter collective, by
 gathering a small record from every rank: the plan digest, the sizes, and one int64 per
-parameter (32 bits of the name's hash, 32 bits of the (name, shape, owner) hash). Every rank sees
-every record, so either all ranks return or all raise, naming the first differing parameter.
+parameter (32 bits of the name's hash, 32 bits of the (name, shape, owner) hash; with tensor
+parallelism the layout and tensor slot join the second). Every rank sees every record, so
+either all ranks return or all raise, naming the first differing parameter.
 
 Records travel as JSON in uint8 tensors (dmuon_fn/_exchange.py), never pickled.
 """
@@ -34,8 +35,9 @@ def _h32(text: str) -> int:
 def param_hashes(plan: Plan) -> list[int]:
     """One int64 per parameter in name order: name hash << 32 | (name, shape, slot) hash."""
     out = []
-    for n, sh, s in zip(plan.names, plan.shapes, plan.slots, strict=True):
-        v = _h32(n) << 32 | _h32(json.dumps([n, list(sh), s]))
+    tensor = list(zip(plan.layouts, plan.tensor_slots, strict=True)) if plan.tensor_slots else []
+    for i, (n, sh, s) in enumerate(zip(plan.names, plan.shapes, plan.slots, strict=True)):
+        v = _h32(n) << 32 | _h32(json.dumps([n, list(sh), s, *(tensor[i] if tensor else ())]))
         out.append(v - (1 << 64) if v >= 1 << 63 else v)
     return out
 

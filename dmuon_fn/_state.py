@@ -18,6 +18,7 @@ from ._entries import Entry, Topology
 from ._guard import phase
 from ._partition import Plan
 from ._schedule import Scheduler
+from ._tensor_parallel import TensorMesh
 
 STATE_ATTR = "_dmuon_state"
 
@@ -30,6 +31,7 @@ class DedicatedState(Topology):
     entries: list[Entry] = field(default_factory=list)
     scheduler: Scheduler | None = None
     by_param: dict[int, Entry] = field(default_factory=dict)
+    tensor: TensorMesh | None = None  # the tensor-parallel ranks (dmuon_fn/_tensor_parallel.py)
 
     def entry(self, p: torch.Tensor) -> Entry | None:
         return self.by_param.get(id(p))

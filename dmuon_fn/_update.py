@@ -110,23 +110,50 @@ def muon_update(
 ) -> tuple[Tensor, MuonState]:
     """One Muon step for one matrix parameter. Returns (new param, new state)."""
     _check_matrix(param, grad)
-    lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
+    u, new_state = muon_momentum(grad, state, momentum=momentum, nesterov=nesterov)
+    # With Nesterov, u is a temporary: orthogonalize may normalize in its buffer and return it.
+    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns, overwrite=nesterov)
+    new = muon_apply(
+        param, O.reshape(param.shape), lr=lr, weight_decay=weight_decay, adjust_lr=adjust_lr
+    )
+    return new, new_state
+
+
+def muon_momentum(
+    grad: Tensor, state: MuonState, *, momentum: float = 0.95, nesterov: bool = True
+) -> tuple[Tensor, MuonState]:
+    """Muon's elementwise half before Newton-Schulz: (u, new state), u the matrix to
+    orthogonalize. Elementwise, so it runs on any shard of the parameter alike."""
     buf = state.momentum
     g = grad.to(buf.dtype)
     buf = torch.add(g, buf, alpha=momentum)
     u = torch.add(g, buf, alpha=momentum) if nesterov else buf
-    # With Nesterov, u is a temporary: orthogonalize may normalize in its buffer and return it.
-    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns, overwrite=nesterov)
-    O = O.reshape(param.shape).to(param.dtype)
-    step = lr * lr_scale(param.shape, adjust_lr)
+    return u, MuonState(buf)
+
+
+def muon_apply(
+    param: Tensor,
+    O: Tensor,
+    *,
+    lr: Scalar,
+    weight_decay: Scalar = 0.0,
+    adjust_lr: str = "match_rms_adamw",
+    shape: torch.Size | tuple[int, ...] | None = None,
+) -> Tensor:
+    """W·(1 − lr·wd) − lr·scale(shape)·O for the orthogonalized update O (param's shape; may be
+    overwritten). shape: the whole matrix's, when param and O are shards of it (default:
+    param's)."""
+    lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
+    O = O.to(param.dtype)
+    step = lr * lr_scale(param.shape if shape is None else shape, adjust_lr)
     decay = 1 - lr * weight_decay
     if O.stride() != param.stride():  # (a tall matrix's O is transposed) keep param's layout
-        return (param * decay).sub_(O.mul_(step)), MuonState(buf)
+        return (param * decay).sub_(O.mul_(step))
     # O is a fresh temporary in param's layout: the new parameter is written into it.
     new = O.mul_(-step)
     if isinstance(decay, Tensor):
-        return new.addcmul_(param, decay), MuonState(buf)
-    return new.add_(param, alpha=decay), MuonState(buf)
+        return new.addcmul_(param, decay)
+    return new.add_(param, alpha=decay)
 
 
 def adamw_init(param: Tensor, *, dtype: torch.dtype | None = None) -> AdamWState:

@@ -1,0 +1,185 @@
+"""Tensor parallelism: how a dedicated parameter lies over the tensor-parallel ranks.
+
+A model prepared with `parallelize_module(model, mesh["tp"], ...)` (ColwiseParallel,
+RowwiseParallel, ...) holds DTensors over the 1-D tensor mesh: each of its T ranks keeps a shard
+(`Shard(d)`, torch.chunk's sizes, so shards may be uneven) or a whole copy (`Replicate()`).
+Parameters it left alone are plain tensors, replicated over the T ranks in effect: every tensor
+rank computes them alike from the same activations.
+
+`dedicate_params` dedicates each tensor rank's own part (its shard, or the whole value) over
+the data mesh, as it dedicates a plain parameter: the owner slot's tensor rank t holds part t,
+gathers it to the other data ranks of tensor column t, and receives its gradient. The module
+computes with `TensorLayout.to_module(part)`: the DTensor it held before (a plain tensor stays
+plain). Muon orthogonalizes each matrix once in the job: on the tensor rank `root` of its owner
+slot, with the parts gathered there and the update's parts sent back (dmuon_fn/_tp_exchange.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+PLAIN = "plain"  # a plain tensor, replicated over the tensor ranks
+
+
+@dataclass(frozen=True, eq=False)
+class TensorMesh:
+    """The tensor-parallel ranks this rank belongs to, and dmuon_fn's own group over them."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    def global_rank(self, tensor_rank: int) -> int:
+        return dist.get_global_rank(self.group, tensor_rank)
+
+
+@dataclass(frozen=True, eq=False)
+class TensorLayout:
+    """One dedicated parameter over the tensor ranks: sharded along `dim` (None: a whole copy on
+    every tensor rank), its whole `full_shape`, every tensor rank's extent along `dim`, the
+    tensor rank `root` that orthogonalizes it, and the placements the module computes with
+    (None: the parameter was a plain tensor and stays one)."""
+
+    tp: TensorMesh
+    dim: int | None
+    full_shape: torch.Size
+    sizes: tuple[int, ...]
+    root: int
+    placements: tuple | None
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None and self.tp.size > 1
+
+    def offset(self, t: int) -> int:
+        return sum(self.sizes[:t])
+
+    def part_shape(self, t: int) -> torch.Size:
+        """The shape of tensor rank t's part."""
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = self.sizes[t]
+        return torch.Size(shape)
+
+    def to_module(self, part: torch.Tensor) -> torch.Tensor:
+        """What the module computes with: the DTensor over the tensor mesh it was built with
+        (shares `part`'s memory; autograd hands the part its local gradient)."""
+        if self.placements is None:
+            return part
+        return DTensor.from_local(
+            part,
+            self.tp.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.full_shape,
+            stride=_contiguous_stride(self.full_shape),
+        )
+
+    def to_checkpoint(self, part: torch.Tensor) -> torch.Tensor:
+        """`part` as the whole parameter's shard for DCP (a view, so a load writes into
+        `part`); a whole copy stays plain (DCP writes one of the equal copies)."""
+        if not self.sharded:
+            return part
+        return DTensor.from_local(
+            part,
+            self.tp.mesh,
+            (Shard(self.dim),),
+            run_check=False,
+            shape=self.full_shape,
+            stride=_contiguous_stride(self.full_shape),
+        )
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The 1-D mesh the model's DTensor parameters lie on (`parallelize_module`'s), or None.
+    Raises for what dedicate_params cannot take: DTensors over several meshes or a mesh of more
+    than one dimension, and placements other than Shard and Replicate."""
+    found: dict[int, tuple[str, DeviceMesh]] = {}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{name} is a DTensor over a {mesh.ndim}-D mesh: dedicate_params takes "
+                "tensor-parallel parameters over one 1-D mesh (parallelize_module(model, "
+                "mesh['tp'], ...)), applied before dedicate_params and fully_shard"
+            )
+        bad = [pl for pl in p.placements if not isinstance(pl, Shard | Replicate)]
+        if bad:
+            raise ValueError(
+                f"{name} has placement {bad[0]!r} over the tensor mesh: dedicate_params takes "
+                "Shard and Replicate (what ColwiseParallel, RowwiseParallel and "
+                "SequenceParallel make); redistribute the parameter, or leave it out"
+            )
+        found.setdefault(id(mesh), (name, mesh))
+    meshes = {tuple(m.mesh.flatten().tolist()): (n, m) for n, m in found.values()}
+    if len(meshes) > 1:
+        (n1, m1), (n2, m2) = list(meshes.values())[:2]
+        raise ValueError(
+            f"{n1} and {n2} are DTensors over different meshes ({m1} and {m2}): dedicate_params "
+            "takes one tensor-parallel mesh"
+        )
+    return next(iter(meshes.values()))[1] if meshes else None
+
+
+def check_crossing(tensor: DeviceMesh, data: list[DeviceMesh]) -> None:
+    """The tensor mesh and the data meshes (shard, and replicate under HSDP) are the dims of
+    one mesh over the world: their groups cross in exactly this rank and their sizes multiply
+    to the world size."""
+    ranks = [set(m.mesh.flatten().tolist()) for m in (tensor, *data)]
+    size = 1
+    for r in ranks:
+        size *= len(r)
+    me = dist.get_rank()
+    crossing = all(a & b == {me} for i, a in enumerate(ranks) for b in ranks[i + 1 :])
+    if size != dist.get_world_size() or not crossing:
+        raise ValueError(
+            f"the tensor-parallel mesh {tensor} and the data mesh(es) {data} are not the dims of "
+            "one mesh over the world: build init_device_mesh(dev, (dp, tp), mesh_dim_names="
+            "('dp', 'tp')) (HSDP: ('replicate', 'shard', 'tp')), parallelize_module over "
+            "mesh['tp'] and dedicate_params over mesh['dp'] (HSDP: mesh['shard'], "
+            "replicate_mesh=mesh['replicate'])"
+        )
+
+
+def layout_name(p: torch.Tensor) -> str:
+    """A parameter's layout over the tensor mesh, as the plan records it."""
+    if not isinstance(p, DTensor):
+        return PLAIN
+    (pl,) = p.placements
+    return f"Shard({pl.dim})" if isinstance(pl, Shard) else "Replicate()"
+
+
+def part_of(p: torch.Tensor) -> torch.Tensor:
+    """This tensor rank's part of a parameter (a DTensor's local shard, else the tensor)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:
+    if not isinstance(p, DTensor):
+        return TensorLayout(tp, None, p.shape, (), root, None)
+    (pl,) = p.placements
+    full = p.shape
+    if isinstance(pl, Replicate):
+        return TensorLayout(tp, None, full, (), root, tuple(p.placements))
+    dim = pl.dim % len(full)
+    chunks = torch.empty(full[dim], device="meta").chunk(tp.size)
+    sizes = tuple(c.numel() for c in chunks) + (0,) * (tp.size - len(chunks))
+    return TensorLayout(tp, dim, full, sizes, root, (Shard(dim),))

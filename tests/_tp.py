@@ -1,0 +1,103 @@
+"""A small transformer for the tensor-parallel tests, its TP plan, and test-only gathers.
+
+Block 0 is tensor parallel (attention heads and MLP split: ColwiseParallel q/k/v/up, RowwiseParallel
+o/down, with biases on the MLP: Shard(0) and Replicate()); block 1 is left replicated; the head
+is ColwiseParallel over an odd vocabulary (uneven shards, 25 and 24 rows over two ranks) with
+its output replicated. The same model unparallelized is the single-process reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+V, D, HEADS = 49, 32, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.up_proj, self.down_proj = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.ln1(x)
+
+        def split(t):  # heads of this tensor rank (all of them without tensor parallelism)
+            return t.view(b, s, -1, D // HEADS).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down_proj(F.gelu(self.up_proj(self.ln2(x))))
+
+
+class TPModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def parallelize(model: TPModel, tp_mesh) -> TPModel:
+    """Block 0 and the head tensor parallel; block 1 left replicated."""
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan = {f"layers.0.{n}": col for n in ("q_proj", "k_proj", "v_proj", "up_proj")}
+    plan.update({"layers.0.o_proj": row, "layers.0.down_proj": row})
+    plan["head"] = ColwiseParallel(output_layouts=Replicate())
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def tokens(step: int, data_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + data_rank)
+    return torch.randint(0, V, (2, 8), generator=g)
+
+
+def is_matrix(name: str, p: torch.Tensor) -> bool:
+    """The dedicated matrices (the embedding is left to FSDP2 and AdamW)."""
+    return p.ndim == 2 and "embed" not in name
+
+
+def full_params(model: nn.Module, st) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value on every rank (test-only: broadcasts over the world). The
+    global rank of mesh coordinate (replica, shard, tensor) is row-major."""
+    out = {}
+    T = 1 if st.tensor is None else st.tensor.size
+    for n, p in model.named_parameters():
+        e = st.entry(p)
+        if e is None:
+            out[n] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach()
+            continue
+        slot = e.owner_replica * st.shard_size + e.owner_shard
+        here = st.is_global_owner(e)
+        if e.tp is None or not e.tp.sharded:
+            buf = e.param.detach().clone() if here else torch.empty(e.full_shape)
+            dist.broadcast(buf, src=slot * T)
+            out[n] = buf.to(e.dtype)
+            continue
+        parts = []
+        for t in range(T):
+            shape = e.tp.part_shape(t)
+            mine = here and st.tensor.rank == t
+            buf = e.param.detach().clone() if mine else torch.empty(shape)
+            dist.broadcast(buf, src=slot * T + t)
+            parts.append(buf)
+        out[n] = torch.cat(parts, dim=e.tp.dim).to(e.dtype)
+    return out
