@@ -33,6 +33,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from custom_ops._handles import new_handle
@@ -142,8 +143,10 @@ class _Z3Saver:
         self.live.clear()
 
     def pack(self, t: Tensor):
-        # a gathered value is a plain tensor; a subclass (a tensor-parallel DTensor, say) has no
-        # storage of its own to look up and is never one of ours
+        if isinstance(t, DTensor):  # a tensor-parallel part, as the module computes with it
+            inner = self.pack(t._local_tensor)
+            return t if inner is t._local_tensor else (_DTENSOR, inner, t._spec, t.requires_grad)
+        # another subclass has no storage of its own to look up and is never one of ours
         if t.device.type == "meta" or type(t) not in (Tensor, nn.Parameter):
             return t
         hit = self.live.get(t.untyped_storage().data_ptr())
@@ -154,6 +157,9 @@ class _Z3Saver:
         return (_HANDLE, unit, i, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
+        if isinstance(x, tuple) and x and x[0] is _DTENSOR:
+            _, inner, spec, requires_grad = x
+            return DTensor(self.unpack(inner), spec, requires_grad=requires_grad)
         if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
             return x
         _, unit, i, size, stride, offset = x
@@ -165,6 +171,7 @@ class _Z3Saver:
 
 
 _HANDLE = object()
+_DTENSOR = object()
 
 
 def install_hooks(

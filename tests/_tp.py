@@ -65,9 +65,12 @@ def parallelize(model: TPModel, tp_mesh) -> TPModel:
     return parallelize_module(model, tp_mesh, plan)
 
 
-def tokens(step: int, data_rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + data_rank)
-    return torch.randint(0, V, (2, 8), generator=g)
+def tokens(step: int, data_rank: int = 0, data_size: int = 1) -> torch.Tensor:
+    """Data rank `data_rank`'s rows of step `step`'s global batch of 4 sequences (equal parts,
+    so the mean of the ranks' losses is the global batch's for any number of data ranks)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = 4 // data_size
+    return torch.randint(0, V, (4, 8), generator=g)[data_rank * rows : (data_rank + 1) * rows]
 
 
 def is_matrix(name: str, p: torch.Tensor) -> bool:
@@ -81,6 +84,7 @@ def full_params(model: nn.Module, st) -> dict[str, torch.Tensor]:
     out = {}
     T = 1 if st.tensor is None else st.tensor.size
     for n, p in model.named_parameters():
+        n = n.replace("_orig_mod.", "")  # (a block compiled alone)
         e = st.entry(p)
         if e is None:
             out[n] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach()

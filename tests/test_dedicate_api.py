@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon_fn as dmuon
@@ -83,37 +83,54 @@ class _TPNet(nn.Module):
 
 def _tensor_parallel(rank, world):
     """The recipe a tensor-parallel user tries first: a (dp 1, tp 2) mesh, parallelize_module,
-    then dedicate_params on the data mesh; and the workaround the error names."""
+    then dedicate_params on the data mesh (every matrix, or pure); the earlier workaround
+    (DTensors left to AdamW); and what stays refused."""
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     out = {}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for key, predicate in (
+        ("all", lambda n, p: True),
+        ("pure", None),
+        ("workaround", lambda n, p: not isinstance(p, DTensor)),
+    ):
+        model = parallelize_module(_TPNet(), mesh["tp"], plan)
+        dmuon.dedicate_params(model, mesh["dp"], predicate, pure=predicate is None)
+        opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(x).backward()
+        opt.step()
+        out[key] = dict(
+            moved=sorted(
+                n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])
+            ),
+            kinds={g["kind"]: len(g["params"]) for g in opt.param_groups},
+            ns_calls=opt.ns_calls,
+        )
+    # the tensor mesh passed as the data mesh: the two do not cross
     model = parallelize_module(_TPNet(), mesh["tp"], plan)
-    out["all"] = _raises(lambda: dmuon.dedicate_params(model, mesh["dp"], lambda n, p: True))
-    out["pure"] = _raises(lambda: dmuon.dedicate_params(model, mesh["dp"], pure=True))
-    model = parallelize_module(_TPNet(), mesh["tp"], plan)
-    dmuon.dedicate_params(model, mesh["dp"], lambda n, p: not isinstance(p, DTensor))
-    opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).backward()
-    opt.step()
-    out["moved"] = sorted(
-        n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])
-    )
-    out["kinds"] = {g["kind"]: len(g["params"]) for g in opt.param_groups}
+    out["same_mesh"] = _raises(lambda: dmuon.dedicate_params(model, mesh["tp"], lambda n, p: True))
+    # a DTensor over a 2-D mesh
+    model = _TPNet()
+    model.mix.weight = nn.Parameter(distribute_tensor(model.mix.weight.detach(), mesh))
+    out["two_d"] = _raises(lambda: dmuon.dedicate_params(model, mesh["dp"], lambda n, p: True))
     return out
 
 
-def test_tensor_parallel_parameters_are_refused_with_what_to_do_instead():
-    for r in run_ranks(_tensor_parallel, 2):
-        for key in ("all", "pure"):
-            assert "2 selected parameter(s) are DTensors: up.weight (tp: Shard(dim=0)); " in r[key]
-            assert "down.weight (tp: Shard(dim=1))" in r[key], r[key]
-            assert "not supported yet" in r[key] and "before fully_shard" not in r[key]
-        assert "not isinstance(p, DTensor)" in r["all"]
-        assert "instead of pure=True" in r["pure"]
-        # the workaround trains: the TP shards with AdamW, the replicated matrix with Muon
-        assert r["kinds"] == {"muon": 1, "adamw": 2}
-        assert r["moved"] == ["down.weight", "mix.weight", "up.weight"]
+def test_tensor_parallel_parameters_are_dedicated():
+    r0, r1 = run_ranks(_tensor_parallel, 2)
+    for key in ("all", "pure"):
+        for r in (r0, r1):
+            assert r[key]["kinds"] == {"muon": 3}, r[key]
+            assert r[key]["moved"] == ["down.weight", "mix.weight", "up.weight"]
+        # one owner slot (dp 1): three matrices orthogonalized once each over the two tensor ranks
+        assert r0[key]["ns_calls"] + r1[key]["ns_calls"] == 3
+    for r in (r0, r1):  # the old workaround still trains: TP shards with AdamW, the rest Muon
+        assert r["workaround"]["kinds"] == {"muon": 1, "adamw": 2}
+        assert r["workaround"]["moved"] == ["down.weight", "mix.weight", "up.weight"]
+        assert "are not the dims of one mesh over the world" in r["same_mesh"], r["same_mesh"]
+        assert "mix.weight is a DTensor over a 2-D mesh" in r["two_d"], r["two_d"]
+    assert r0["workaround"]["ns_calls"] + r1["workaround"]["ns_calls"] == 1
 
 
 def _tensor_parallel_2d(rank, world):

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -33,9 +34,10 @@ def _mesh(shape):
     return m, m["shard"], m["replicate"], m["replicate", "shard"]
 
 
-def _train(rank, world, shape, z3, pure, async_=True):
+def _setup(shape, z3, pure, async_=True, compile_blocks=False):
+    """The TP model prepared on a mesh of `shape` ((dp, tp) or (replicate, shard, tp));
+    compile_blocks: each block compiled alone (aot_eager, fullgraph) before fully_shard."""
     mesh, shard, rep, data = _mesh(shape)
-    T = shape[-1]
     model = _tp.parallelize(_tp.TPModel(), mesh["tp"])
     dmuon.dedicate_params(
         model,
@@ -45,17 +47,26 @@ def _train(rank, world, shape, z3, pure, async_=True):
         reshard_after_forward=z3,
         pure=pure,
     )
+    if compile_blocks:
+        for i, block in enumerate(model.layers):
+            compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+            model.layers.register_module(str(i), compiled)
     if not pure:
         fully_shard(model, mesh=data)
-    opt = muon_fp32(model, replicate_async=async_)
+    return model, muon_fp32(model, replicate_async=async_)
+
+
+def _train(rank, world, shape, z3, pure, async_=True):
+    T = shape[-1]
+    model, opt = _setup(shape, z3, pure, async_)
     st = model._dmuon_state
-    data_rank = rank // T
+    data_rank, data_size = rank // T, world // T
     comm = dmuon.CommCounter()
     with comm:
         for step in range(STEPS):
             opt.zero_grad()
             with comm.phase("forward"):
-                loss = model(_tp.tokens(step, data_rank))
+                loss = model(_tp.tokens(step, data_rank, data_size))
             with comm.phase("backward"):
                 loss.backward()
             with comm.phase("step"):
@@ -75,40 +86,48 @@ def _train(rank, world, shape, z3, pure, async_=True):
         # per step, the whole job: the other tensor ranks' parts of u in and of O out per split
         # matrix ((T-1)/T of it when even), T-1 copies of O per whole one (fp32)
         formula=sum(
-            2 * (math.prod(e.full_shape) - math.prod(e.tp.part_shape(e.tp.root))) * 4
-            for e in split
+            2 * (math.prod(e.full_shape) - math.prod(e.tp.part_shape(e.tp.root))) * 4 for e in split
         )
         + sum((T - 1) * math.prod(e.full_shape) * 4 for e in whole),
         norm0=norm0,
+        # dmuon_fn's gathers (FSDP2 all-gathers; the publish runs in the step)
+        gathered={ph: comm.stats[ph].op_bytes["broadcast_"] for ph in ("forward", "backward")},
         layouts=sorted({(e.name, e.tp.dim, e.tp.placements is not None) for e in st.entries}),
     )
 
 
-def _first_norm(world):
+def _first_norm():
     """The first step's global gradient norm, single-process."""
     model = _tp.TPModel()
-    (sum(model(_tp.tokens(0, r)) for r in range(world)) / world).backward()
+    model(_tp.tokens(0)).backward()
     return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
 
 
-def _reference(world, pure):
+def _reference(pure):
+    """Five steps on the global batches, single-process (one data rank: the same mean loss)."""
     model = _tp.TPModel()
-    muon = {n for n, p in model.named_parameters() if (p.ndim >= 2 if pure else _tp.is_matrix(n, p))}
-    loss = lambda m, step, r: m(_tp.tokens(step, r))  # noqa: E731
-    return reference("", world, STEPS, muon, HP, model=model, loss=loss)
+    muon = {
+        n for n, p in model.named_parameters() if (p.ndim >= 2 if pure else _tp.is_matrix(n, p))
+    }
+    loss = lambda m, step, r: m(_tp.tokens(step))  # noqa: E731
+    return reference("", 1, STEPS, muon, HP, model=model, loss=loss)
 
 
-def _check(shape, results, pure):
-    data_ranks = math.prod(shape[:-1])
-    ref = _reference(data_ranks, pure)
-    for r in results:
+def _close(ref, runs, what) -> None:
+    for params in runs:
         for n, want in ref.items():
-            got = r["params"][n]
-            err = ((got - want).norm() / want.norm()).item()
-            assert err < TOL, (shape, pure, n, err)
-    norm0 = _first_norm(data_ranks).item()
+            err = ((params[n] - want).norm() / want.norm()).item()
+            assert err < TOL, (what, n, err)
+
+
+def _check(shape, results, z3, pure):
+    _close(_reference(pure), [r["params"] for r in results], (shape, pure))
+    norm0 = _first_norm().item()
     for r in results:  # every value counted once: split parts, whole copies on one tensor rank
         assert r["norm0"] == pytest.approx(norm0, rel=1e-5), (r["norm0"], norm0)
+    for r in results:  # Z3 gathers every part again in backward (TP parts too), Z2 never
+        want = r["gathered"]["forward"] if z3 else 0
+        assert r["gathered"]["backward"] == want, r["gathered"]
     r0 = results[0]
     # each matrix orthogonalized exactly once per step in the whole job
     assert sum(r["ns_calls"] for r in results) == STEPS * r0["n_matrices"]
@@ -134,8 +153,8 @@ CASES = [(True, False), (False, False), (True, True)]  # (z3, pure)
 def test_parity_data_2_tensor_2():
     shape = (2, 2)
     results = run_ranks(_run_all, 4, shape, CASES, timeout=600)
-    for i, (_, pure) in enumerate(CASES):
-        _check(shape, [r[i] for r in results], pure)
+    for i, (z3, pure) in enumerate(CASES):
+        _check(shape, [r[i] for r in results], z3, pure)
 
 
 @pytest.mark.slow
@@ -143,5 +162,67 @@ def test_parity_replicate_2_shard_2_tensor_2():
     shape = (2, 2, 2)
     cases = [(True, False), (False, True)]
     results = run_ranks(_run_all, 8, shape, cases, timeout=600)
-    for i, (_, pure) in enumerate(cases):
-        _check(shape, [r[i] for r in results], pure)
+    for i, (z3, pure) in enumerate(cases):
+        _check(shape, [r[i] for r in results], z3, pure)
+
+
+def _steps(model, opt, steps, rank, world, T):
+    for step in steps:
+        opt.zero_grad()
+        model(_tp.tokens(step, rank // T, world // T)).backward()
+        opt.step()
+    opt.wait_publish()
+
+
+def _resume(rank, world, path, z3):
+    """Three steps at (dp 2, tp 2) and a checkpoint; loaded at (dp 4, tp 1) and at (2, 2), two
+    steps more each; and the uninterrupted five steps."""
+    out = {}
+    model, opt = _setup((2, 2), z3, False)
+    _steps(model, opt, range(3), rank, world, 2)
+    dmuon.save_checkpoint(path, model, opt)
+    for shape in ((4, 1), (2, 2)):
+        model, opt = _setup(shape, z3, False)
+        dmuon.load_checkpoint(path, model, opt)
+        _steps(model, opt, range(3, STEPS), rank, world, shape[-1])
+        out[shape] = _tp.full_params(model, model._dmuon_state)
+    model, opt = _setup((2, 2), z3, False)
+    _steps(model, opt, range(STEPS), rank, world, 2)
+    out["uninterrupted"] = _tp.full_params(model, model._dmuon_state)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("z3", [True, False])
+def test_checkpoint_saved_at_tensor_2_loads_at_tensor_1_and_2(tmp_path, z3):
+    results = run_ranks(_resume, 4, str(tmp_path / "ckpt"), z3, timeout=600)
+    ref = _reference(False)
+    for key in ((4, 1), (2, 2), "uninterrupted"):
+        _close(ref, [r[key] for r in results], key)
+    for r in results:  # the resumed runs equal the uninterrupted one (same mesh: bitwise)
+        for n, want in r["uninterrupted"].items():
+            assert torch.equal(r[(2, 2)][n], want), n
+
+
+def _compiled(rank, world, z3):
+    """Each block compiled alone (fullgraph: any graph break raises), torchtitan's order:
+    parallelize_module, dedicate_params, torch.compile per block, fully_shard; against eager."""
+    out = {}
+    for mode in ("eager", "compiled"):
+        counters.clear()
+        model, opt = _setup((2, 2), z3, False, compile_blocks=mode == "compiled")
+        _steps(model, opt, range(3), rank, world, 2)
+        out[mode] = _tp.full_params(model, model._dmuon_state)
+        out[f"{mode} breaks"] = sum(counters["graph_break"].values())
+        out[f"{mode} frames"] = counters["stats"]["unique_graphs"]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("z3", [True, False])
+def test_tensor_parallel_blocks_compile_without_graph_breaks(z3):
+    for r in run_ranks(_compiled, 4, z3, timeout=600):
+        assert r["compiled breaks"] == 0 and r["compiled frames"] == 2, r  # one per block
+        for n, want in r["eager"].items():
+            err = ((r["compiled"][n] - want).norm() / want.norm()).item()
+            assert err < 1e-5, (n, err)
