@@ -182,6 +182,7 @@ def dedicate_params(
                 module._parameters[pname] = new
                 uses.setdefault(module, []).append((pname, st.by_param[id(new)]))
     _install(model, st, uses, names, prefetch)
+    _sync_tensor_copies(st)
     _sync_replicas(st)
     setattr(model, STATE_ATTR, st)
     return st.owners()
@@ -224,6 +225,19 @@ def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
     if mesh.device_type == "cuda" and current.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return current if current.type == mesh.device_type else torch.device(mesh.device_type)
+
+
+def _sync_tensor_copies(st: DedicatedState) -> None:
+    """Tensor parallelism: whole copies (plain or Replicate() parameters) start from tensor rank
+    0's value on every tensor rank (one broadcast per parameter over the tensor group): the
+    step sends every tensor rank the same update, so equal copies stay equal."""
+    tp = st.tensor
+    if tp is None or tp.size == 1:
+        return
+    for e in st.entries:
+        if st.is_local_owner(e) and not e.tp.sharded:
+            with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
+                broadcast_into(e.param.detach(), 0, tp.group, tp.size)
 
 
 def _sync_replicas(st: DedicatedState) -> None:

@@ -95,6 +95,8 @@ def _tensor_parallel(rank, world):
         ("workaround", lambda n, p: not isinstance(p, DTensor)),
     ):
         model = parallelize_module(_TPNet(), mesh["tp"], plan)
+        if rank == 1:  # a replicated matrix initialized apart: tensor rank 0's value wins
+            model.mix.weight.data.add_(1.0)
         dmuon.dedicate_params(model, mesh["dp"], predicate, pure=predicate is None)
         opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -106,6 +108,7 @@ def _tensor_parallel(rank, world):
             ),
             kinds={g["kind"]: len(g["params"]) for g in opt.param_groups},
             ns_calls=opt.ns_calls,
+            mix=model.mix.weight.detach().clone(),  # dp 1: every rank owns every matrix
         )
     # the tensor mesh passed as the data mesh: the two do not cross
     model = parallelize_module(_TPNet(), mesh["tp"], plan)
@@ -131,6 +134,8 @@ def test_tensor_parallel_parameters_are_dedicated():
         assert "are not the dims of one mesh over the world" in r["same_mesh"], r["same_mesh"]
         assert "mix.weight is a DTensor over a 2-D mesh" in r["two_d"], r["two_d"]
     assert r0["workaround"]["ns_calls"] + r1["workaround"]["ns_calls"] == 1
+    for key in ("all", "pure", "workaround"):  # the replicated copies agree after the step
+        assert torch.equal(r0[key]["mix"], r1[key]["mix"]), key
 
 
 def _tensor_parallel_2d(rank, world):
