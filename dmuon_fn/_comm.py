@@ -58,10 +58,10 @@ def _nbytes(x: object) -> int:
 
 def _group_size(args: tuple, kwargs: dict) -> int:
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.ScriptObject):
+        if isinstance(a, torch.ScriptObject):  # c10d ops: the process group, boxed
             try:
-                return int(a.size())
-            except (RuntimeError, AttributeError):
+                return int(dist.ProcessGroup.unbox(a).size())
+            except (RuntimeError, AttributeError, TypeError):
                 continue
         if isinstance(a, list) and a and all(isinstance(r, int) for r in a):
             return len(a)  # functional collectives: explicit rank list

@@ -75,7 +75,12 @@ def _subgroups(rank, world):
     full = torch.full((8,), float(rank + 1))
     world_work = reduce_start(full, 3, dist.group.WORLD)
     world_work.wait()
+    with dmuon.CommCounter() as comm:  # a pair's collectives book (2-1)/2, not (4-1)/4
+        dist.broadcast(t.clone(), src=dist.get_global_rank(pg, 0), group=pg)
+        dist.all_reduce(t.clone(), group=pg)
+        dist.broadcast(full.clone(), src=0)
     return dict(
+        booked=dict(comm.stats["other"].op_bytes),
         pair_kind=type(work).__name__,
         world_kind=type(world_work).__name__,
         sum=t[0].item() if dist.get_rank(pg) == owner else None,
@@ -90,3 +95,5 @@ def test_pair_reduce_stays_in_its_group_and_larger_groups_use_gloo_reduce():
     assert "PairReduce" not in {r["world_kind"] for r in res}
     assert res[2]["sum"] == 1 + 3 and res[3]["sum"] == 2 + 4
     assert res[3]["world_sum"] == 1 + 2 + 3 + 4
+    for r in res:
+        assert r["booked"] == {"broadcast_": 256 / 2 + 32 * 3 / 4, "allreduce_": 2 * 256 / 2}
