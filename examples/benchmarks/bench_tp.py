@@ -164,6 +164,27 @@ def _formula(model, z3: bool, dedicated: bool) -> dict:
     return {"fwd+bwd": fb, "step": step}
 
 
+def _ns_alone(model, opt, reps: int = 3) -> float:
+    """The step's floor: the Newton-Schulz runs this rank makes in a step (the matrices it is
+    the root of), with no exchange, all ranks at once; the slowest rank's seconds, median."""
+    st = model._dmuon_state
+    mine = [
+        torch.randn(e.full_shape, generator=torch.Generator().manual_seed(i))
+        for i, e in enumerate(st.entries)
+        if e.is_matrix and st.is_global_owner(e) and e.tp.root == st.tensor.rank
+    ]
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for x in mine:
+            dmuon.orthogonalize(x, steps=opt.ns.steps)
+        dt = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+    return statistics.median(times)
+
+
 def rank_main(rank: int, world: int, args) -> dict:
     mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
     data_rank = rank // SHAPE[1]
@@ -189,6 +210,7 @@ def rank_main(rank: int, world: int, args) -> dict:
             formula=_formula(whole, "Z3" in config, config.startswith("dmuon")),
             ns_calls=getattr(opt, "ns_calls", 0),
         )
+    out["ns alone"] = _ns_alone(*runs["dmuon TP Z2"])
     ns = torch.tensor([out[c]["ns_calls"] for c in CONFIGS])
     dist.all_reduce(ns)
     for c, n in zip(CONFIGS, ns.tolist(), strict=True):
@@ -228,6 +250,12 @@ def main() -> None:
             f"({f['fwd+bwd'] / 2**20:.2f}) | {b['step'] / 2**20:.3f} ({f['step'] / 2**20:.3f}) "
             f"| {b['fwd+bwd tp'] / 2**20:.2f} |"
         )
+    print(
+        f"\nstep floor (each rank's own Newton-Schulz runs alone, slowest rank): "
+        f"{res['ns alone']:.3f} s; dmuon TP step / floor: Z2 "
+        f"{res['dmuon TP Z2']['step'] / res['ns alone']:.2f}x, Z3 "
+        f"{res['dmuon TP Z3']['step'] / res['ns alone']:.2f}x"
+    )
     steps = args.steps + args.warmup + 1
     for c in CONFIGS[1::2]:
         n_mat = 6 * args.layers
