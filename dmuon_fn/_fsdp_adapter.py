@@ -72,6 +72,16 @@ def counted_here(t: torch.Tensor, copies: tuple[set[int], int] | None = None) ->
     return all(c == 0 for c, pl in zip(coord, t.placements, strict=True) if pl.is_replicate())
 
 
+def dtensor_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+    """(local tensor, spec) of a DTensor, else None: what rebuilds it (`dtensor_wrap`)."""
+    return (t._local_tensor, t._spec) if isinstance(t, DTensor) else None
+
+
+def dtensor_wrap(local: torch.Tensor, spec: Any, requires_grad: bool) -> torch.Tensor:
+    """A DTensor of `spec` around `local` (no copy, no autograd node)."""
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """FSDP2's own switch, on every `fully_shard`ed module of `model`."""
     for m in model.modules():

@@ -33,11 +33,11 @@ import weakref
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from custom_ops._handles import new_handle
 
+from . import _fsdp_adapter as fsdp
 from ._entries import Entry
 from ._schedule import Group, Scheduler, Unit
 from ._state import DedicatedState
@@ -143,9 +143,10 @@ class _Z3Saver:
         self.live.clear()
 
     def pack(self, t: Tensor):
-        if isinstance(t, DTensor):  # a tensor-parallel part, as the module computes with it
-            inner = self.pack(t._local_tensor)
-            return t if inner is t._local_tensor else (_DTENSOR, inner, t._spec, t.requires_grad)
+        parts = fsdp.dtensor_unwrap(t)
+        if parts is not None:  # a tensor-parallel part, as the module computes with it
+            inner = self.pack(parts[0])
+            return t if inner is parts[0] else (_DTENSOR, inner, parts[1], t.requires_grad)
         # another subclass has no storage of its own to look up and is never one of ours
         if t.device.type == "meta" or type(t) not in (Tensor, nn.Parameter):
             return t
@@ -159,7 +160,7 @@ class _Z3Saver:
     def unpack(self, x):
         if isinstance(x, tuple) and x and x[0] is _DTENSOR:
             _, inner, spec, requires_grad = x
-            return DTensor(self.unpack(inner), spec, requires_grad=requires_grad)
+            return fsdp.dtensor_wrap(self.unpack(inner), spec, requires_grad)
         if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
             return x
         _, unit, i, size, stride, offset = x

@@ -180,6 +180,18 @@ def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:
     if isinstance(pl, Replicate):
         return TensorLayout(tp, None, full, (), root, tuple(p.placements))
     dim = pl.dim % len(full)
-    chunks = torch.empty(full[dim], device="meta").chunk(tp.size)
-    sizes = tuple(c.numel() for c in chunks) + (0,) * (tp.size - len(chunks))
+    sizes = chunk_sizes(full[dim], tp.size)
+    if sizes[tp.rank] != p.to_local().shape[dim]:  # (a Shard layout other than torch.chunk's)
+        raise ValueError(
+            f"a DTensor of shape {tuple(full)} sharded over dim {dim} holds "
+            f"{p.to_local().shape[dim]} rows on tensor rank {tp.rank}, not torch.chunk's "
+            f"{sizes[tp.rank]}: dedicate_params takes DTensor's own Shard layout"
+        )
     return TensorLayout(tp, dim, full, sizes, root, (Shard(dim),))
+
+
+def chunk_sizes(n: int, parts: int) -> tuple[int, ...]:
+    """Each of `parts` ranks' extent of a dim of size n under Shard: torch.chunk's, ceil(n/parts)
+    each while they last, then the rest, then zeros (proofs/tensor_parallel.md claim 1)."""
+    step = -(-n // parts)
+    return tuple(max(0, min(step, n - t * step)) for t in range(parts))
