@@ -52,6 +52,14 @@ class SlotSummary:
     largest: str | None
     largest_shape: tuple[int, ...] | None
     largest_ns_flops: float
+    # tensor parallelism: the NS FLOPs of each of the slot's tensor ranks (`Plan.tensor_slots`:
+    # each matrix runs on one of them); () without
+    tensor_ns_flops: tuple[float, ...] = ()
+
+    @property
+    def rank_ns_flops(self) -> float:
+        """NS FLOPs of the slot's busiest rank (the slot itself without tensor parallelism)."""
+        return max(self.tensor_ns_flops) if self.tensor_ns_flops else self.ns_flops
 
 
 @dataclass(frozen=True)
@@ -73,14 +81,16 @@ class PlanSummary:
     largest_shape: tuple[int, ...] | None
     largest_ns_flops: float
     gemm_flops: float | None = None
+    tensor_size: int = 1  # tensor-parallel ranks per slot: the job has world_size · this ranks
 
     @property
     def busiest_ns_flops(self) -> float:
-        return self.slots[self.busiest].ns_flops
+        """The busiest rank's (under tensor parallelism: the busiest tensor rank's)."""
+        return self.slots[self.busiest].rank_ns_flops
 
     @property
     def mean_ns_flops(self) -> float:
-        return self.total_ns_flops / self.world_size
+        return self.total_ns_flops / (self.world_size * self.tensor_size)
 
     @property
     def bound_ns_flops(self) -> float:
@@ -121,12 +131,14 @@ class PlanSummary:
                 "largest": r.largest,
                 "largest_shape": None if r.largest_shape is None else list(r.largest_shape),
                 "largest_ns_flops": r.largest_ns_flops,
+                "tensor_ns_flops": list(r.tensor_ns_flops),
             }
             for r in self.slots
         ]
         return {
             "world_size": self.world_size,
             "replicate_size": self.replicate_size,
+            "tensor_size": self.tensor_size,
             "matrices": sum(len(r.matrices) for r in self.slots),
             "others": sum(r.others for r in self.slots),
             "total_ns_flops": self.total_ns_flops,
@@ -135,7 +147,7 @@ class PlanSummary:
             "busiest_slot": self.busiest,
             "busiest_ns_flops": self.busiest_ns_flops,
             "least_slot": self.least,
-            "least_ns_flops": self.slots[self.least].ns_flops,
+            "least_ns_flops": self.slots[self.least].rank_ns_flops,
             "largest_matrix": self.largest,
             "largest_shape": None if self.largest_shape is None else list(self.largest_shape),
             "largest_ns_flops": self.largest_ns_flops,
@@ -205,6 +217,12 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         mats = [i for i in mine if plan.matrix[i]]
         ns = math.fsum(flops[i] for i in mats)
         top = _largest(mats, flops)
+        per_tensor = ()
+        if plan.tensor_slots:
+            per_tensor = tuple(
+                math.fsum(flops[i] for i in mats if plan.tensor_slots[i] == t)
+                for t in range(plan.tensor_size)
+            )
         rows.append(
             SlotSummary(
                 slot=s,
@@ -217,10 +235,11 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
                 largest=None if top is None else plan.names[top],
                 largest_shape=None if top is None else plan.shapes[top],
                 largest_ns_flops=0.0 if top is None else flops[top],
+                tensor_ns_flops=per_tensor,
             )
         )
     top = _largest([i for i in range(n) if plan.matrix[i]], flops)
-    loads = [r.ns_flops for r in rows]
+    loads = [r.rank_ns_flops for r in rows]
     return PlanSummary(
         world_size=plan.world_size,
         replicate_size=R,
@@ -233,6 +252,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         largest_shape=None if top is None else plan.shapes[top],
         largest_ns_flops=0.0 if top is None else flops[top],
         gemm_flops=rate,
+        tensor_size=plan.tensor_size if plan.tensor_slots else 1,
     )
 
 
@@ -310,19 +330,22 @@ def _shown(s: PlanSummary) -> list[int]:
     S = s.world_size
     if S <= _FULL_TABLE:
         return list(range(S))
-    by_load = sorted(range(S), key=lambda i: (-s.slots[i].ns_flops, i))
+    by_load = sorted(range(S), key=lambda i: (-s.slots[i].rank_ns_flops, i))
     keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
     keep |= {s.busiest, s.least}
     return sorted(keep)
 
 
 def _render(s: PlanSummary) -> list[str]:
-    S, R = s.world_size, s.replicate_size
+    S, R, T = s.world_size, s.replicate_size, s.tensor_size
     mesh = f" ({S // R} shards x {R} replicas)" if R > 1 else ""
+    ranks = f"{S} ranks{mesh}"
+    if T > 1:  # rows are data slots; each one's matrices run on its T tensor ranks
+        ranks = f"{S} data slot{'s' if S > 1 else ''}{mesh} x {T} tensor ranks = {S * T} ranks"
     tdiv, tunit = _scaled(s.total_bytes, "B", binary=True)
     n_params = sum(len(r.matrices) + r.others for r in s.slots)
     lines = [
-        f"dmuon plan: {S} ranks{mesh}, {n_params} params, "
+        f"dmuon plan: {ranks}, {n_params} params, "
         f"{s.total_bytes / tdiv:.4g} {tunit} of fp32 masters"
     ]
     fdiv, funit = _scaled(max(s.busiest_ns_flops, 1.0), "FLOP")
@@ -334,7 +357,8 @@ def _render(s: PlanSummary) -> list[str]:
         lines += [
             f"Newton-Schulz per step: {sum(len(r.matrices) for r in s.slots)} matrices, "
             f"{f(s.total_ns_flops)} in all, {f(s.mean_ns_flops)} mean per rank",
-            f"busiest rank {s.busiest}: {f(s.busiest_ns_flops)}, {s.imbalance:.2f}x the mean, "
+            f"busiest rank {s.busiest}{' (its busiest tensor rank)' if T > 1 else ''}: "
+            f"{f(s.busiest_ns_flops)}, {s.imbalance:.2f}x the mean, "
             f"{s.vs_bound:.3f}x the lower bound max(mean, largest matrix)",
             f"largest matrix: {_shape(s.largest_shape)} {s.largest}, {f(s.largest_ns_flops)}",
         ]

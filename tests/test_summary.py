@@ -153,6 +153,24 @@ def test_hand_computed_counts():
     assert [r.others for r in s.slots] == [int(plan.slot("n") == 0), int(plan.slot("n") == 1)]
 
 
+def test_tensor_parallel_plan_counts_each_tensor_rank():
+    # one data slot, two tensor ranks: a (655,360 FLOPs) and b (950,272) go to different tensor
+    # ranks, so the busiest rank carries b alone, and the mean is over the two ranks
+    layouts = {"a": "Shard(0)", "b": "plain", "n": "plain"}
+    plan = partition(
+        {"a": (32, 32), "b": (32, 64), "n": (8,)}, 1, elementwise=["n"], tensor_size=2,
+        layouts=layouts,
+    )  # fmt: skip
+    assert plan.tensor_slot("a") != plan.tensor_slot("b")
+    s = plan_summary(plan)
+    (row,) = s.slots
+    assert sorted(row.tensor_ns_flops) == [655_360, 950_272] and row.ns_flops == 1_605_632
+    assert s.tensor_size == 2 and s.busiest_ns_flops == 950_272
+    assert s.mean_ns_flops == 1_605_632 / 2 and s.vs_bound == 1.0
+    assert "1 data slot x 2 tensor ranks = 2 ranks" in str(s)
+    assert s.as_dict()["tensor_size"] == 2
+
+
 @PROPS
 @given(st.floats(1e3, 1e18), st.integers(1, 64))
 def test_seconds_are_flops_over_the_rate(rate, world):

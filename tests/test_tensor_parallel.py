@@ -13,9 +13,12 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import dmuon_fn as dmuon
 from tests import _tp
@@ -171,9 +174,13 @@ def test_parity_replicate_2_shard_2_tensor_2():
 
 
 def _steps(model, opt, steps, rank, world, T):
+    _steps_on(model, opt, lambda step: _tp.tokens(step, rank // T, world // T), steps)
+
+
+def _steps_on(model, opt, data, steps=range(3)):
     for step in steps:
         opt.zero_grad()
-        model(_tp.tokens(step, rank // T, world // T)).backward()
+        model(data(step)).backward()
         opt.step()
     opt.wait_publish()
 
@@ -230,3 +237,39 @@ def test_tensor_parallel_blocks_compile_without_graph_breaks(z3):
         for n, want in r["eager"].items():
             err = ((r["compiled"][n] - want).norm() / want.norm()).item()
             assert err < 1e-5, (n, err)
+
+
+class _Tail(nn.Module):
+    """A column-parallel layer with one output row over two tensor ranks: one part is empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body, self.tail = nn.Linear(8, 16), nn.Linear(16, 1, bias=False)
+
+    def forward(self, x):
+        return self.tail(self.body(x)).square().mean()
+
+
+def _x(step):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _empty_part(rank, world):
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(
+        _Tail(), mesh["tp"], {"tail": ColwiseParallel(output_layouts=Replicate())}
+    )
+    dmuon.dedicate_params(model, mesh["dp"], pure=True)
+    opt = muon_fp32(model)
+    _steps_on(model, opt, lambda step: _x(step))
+    return dict(params=_tp.full_params(model, model._dmuon_state), ns_calls=opt.ns_calls)
+
+
+def test_a_matrix_with_an_empty_part_steps_like_the_whole():
+    results = run_ranks(_empty_part, 2)
+    ref = reference(
+        "", 1, 3, {"body.weight", "tail.weight"}, HP, model=_Tail(), loss=lambda m, s, r: m(_x(s))
+    )
+    _close(ref, [r["params"] for r in results], "empty part")
+    assert sum(r["ns_calls"] for r in results) == 3 * 2
