@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -273,3 +273,47 @@ def test_a_matrix_with_an_empty_part_steps_like_the_whole():
     )
     _close(ref, [r["params"] for r in results], "empty part")
     assert sum(r["ns_calls"] for r in results) == 3 * 2
+
+
+def _mixed(rank, world):
+    """param_dtype=bf16 on a (dp 2, tp 2) mesh: the TP modules compute with bf16 DTensors,
+    the masters and the momentum stay fp32."""
+    mesh, shard, _, data = _mesh((2, 2))
+    model = _tp.parallelize(_tp.TPModel(), mesh["tp"])
+    dmuon.dedicate_params(model, shard, _tp.is_matrix, param_dtype=torch.bfloat16)
+    fully_shard(model, mesh=data, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = muon_fp32(model)
+    seen = {}
+    q = model.layers[0].q_proj
+    # runs after the gather's pre-hook: sees what the module computes with
+    q.register_forward_pre_hook(
+        lambda m, a: seen.update(q=(type(m.weight).__name__, m.weight.dtype))
+    )
+    _steps_on(model, opt, lambda step: _tp.tokens(step, rank // 2, 2))
+    st = model._dmuon_state
+    return dict(
+        params=_tp.full_params(model, st),
+        seen=seen["q"],
+        masters={e.param.dtype for e in st.entries if st.is_global_owner(e)},
+        states={
+            str(v.dtype)
+            for s in opt.state.values()
+            for k, v in s.items()
+            if k == "momentum_buffer" and v.numel()
+        },
+    )
+
+
+def test_mixed_precision_on_a_tensor_parallel_mesh():
+    results = run_ranks(_mixed, 4)
+    model = _tp.TPModel()
+    muon = {n for n, p in model.named_parameters() if _tp.is_matrix(n, p)}
+    ref = reference("", 1, 3, muon, HP, model=model, loss=lambda m, s, r: m(_tp.tokens(s)))
+    for r in results:
+        assert r["seen"] == ("DTensor", torch.bfloat16)
+        assert r["masters"] == {torch.float32} and r["states"] == {"torch.float32"}
+        # bf16 forward and backward (unit roundoff 2^-8) against the fp32 reference, three
+        # steps: measured <= 4.2e-3 for the dedicated matrices, <= 1.3e-2 for the FSDP2 norms
+        for n, want in ref.items():
+            err = ((r["params"][n] - want).norm() / want.norm()).item()
+            assert err < 5e-2, (n, err)
