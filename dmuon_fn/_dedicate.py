@@ -78,7 +78,14 @@ def dedicate_params(
         of the last forward; Z3 backward: its re-gathers, in reverse). 0: every gather and
         reduce runs when needed, blocking (nothing overlaps). Memory: up to prefetch + 1 layers'
         gathered copies at a time (dmuon_fn/_schedule.py).
-    Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP.
+    Tensor parallelism: apply `parallelize_module` over a 1-D tensor mesh first (mesh then is
+        the data dim of the same mesh: ('dp', 'tp'), or ('replicate', 'shard', 'tp') for HSDP).
+        Each tensor rank's part of a parameter is dedicated over the data ranks of its tensor
+        column, the module computes with the DTensor it had, and Muon orthogonalizes each matrix
+        once, on one tensor rank of its owner (dmuon_fn/_tensor_parallel.py).
+    Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP (with
+    tensor parallelism the owner's data coordinate; `plan.tensor_slot(name)` its root tensor
+    rank).
     """
     fsdp.require_installed()
     if getattr(model, STATE_ATTR, None) is not None:

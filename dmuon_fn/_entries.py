@@ -6,6 +6,9 @@ Who holds what (G ranks in the shard group, R replicas under HSDP):
   full parameter between steps. The *global owner*, (owner_shard, owner_replica), holds it in
   fp32 (the master, when the model is lower precision), its optimizer state, and is the only
   rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
+- under tensor parallelism "the parameter" is this tensor rank's part of it (`Entry.tp`): every
+  tensor rank of the global owner holds its part's master and state, and one of them (the
+  layout's `root`) runs the matrix's Newton-Schulz (dmuon_fn/_tensor_parallel.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ Param groups (usable with torch.optim.lr_scheduler):
 - "muon": dedicated matrices. Only the global owner of a matrix updates it (momentum,
   Newton-Schulz, decoupled weight decay); its gradient arrived reduced during backward, so a
   1-D mesh needs no collective here. Under HSDP the new values are published to the other
-  replicas at the end of `step()` (in the background with `replicate_async`).
+  replicas at the end of `step()` (in the background with `replicate_async`). Under tensor
+  parallelism every tensor rank of the owner updates its part, and the one exchange the design
+  needs, each matrix's Newton-Schulz input gathered to one of them and the result's parts sent
+  back, runs first (dmuon_fn/_tp_exchange.py).
 - "adamw": everything else: FSDP2 shards (DTensor, updated shard-locally), dedicated
   non-matrices (pure routing, updated by their owner), and plain parameters on a world of one.
 Every rank holds a state entry with the same keys for every parameter (0-size placeholders where
