@@ -1,5 +1,6 @@
 """The Quick Start's scripts run as written (with `import dmuon_fn as dmuon`) under torchrun on
-CPU ranks with gloo: ModuleDict layers through fully_shard, 1-D FSDP2 and (2, 1) HSDP meshes.
+CPU ranks with gloo: ModuleDict layers through fully_shard, 1-D FSDP2, (2, 1) HSDP and
+(dp 1, tp 2) tensor-parallel meshes.
 The main job, train_gpt.py, shows its progress and writes its figure and table."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _torchrun(*script: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_hsdp.py"])
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_hsdp.py", "train_tp.py"])
 def test_quick_start_script_trains(script):
     proc = _torchrun(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
