@@ -70,7 +70,9 @@ class TinyMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block (attention + MLP) over (batch, seq, d)."""
+    """One pre-norm transformer block (attention + MLP) over (batch, seq, d). Tensor parallel
+    as it is (tests/_tp.py): it splits heads by their width, so a tensor rank computes with the
+    heads its column-parallel projections give it."""
 
     def __init__(self, d: int = D, heads: int = 4):
         super().__init__()
@@ -85,11 +87,11 @@ class Block(nn.Module):
         h = self.ln1(x)
 
         def split(t):
-            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+            return t.view(b, s, -1, d // self.heads).transpose(1, 2)
 
         q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.down_proj(F.gelu(self.up_proj(self.ln2(x))))
 
 

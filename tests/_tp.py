@@ -15,28 +15,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from tests._models import Block
+
 V, D, HEADS = 49, 32, 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
-        self.up_proj, self.down_proj = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        h = self.ln1(x)
-
-        def split(t):  # heads of this tensor rank (all of them without tensor parallelism)
-            return t.view(b, s, -1, D // HEADS).transpose(1, 2)
-
-        q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
-        return x + self.down_proj(F.gelu(self.up_proj(self.ln2(x))))
 
 
 class TPModel(nn.Module):
@@ -44,7 +25,7 @@ class TPModel(nn.Module):
         super().__init__()
         torch.manual_seed(7)
         self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.layers = nn.ModuleList(Block(D, HEADS) for _ in range(2))
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, V, bias=False)
 

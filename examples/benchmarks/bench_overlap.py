@@ -72,12 +72,12 @@ class Block(nn.Module):
         b, s, d = x.shape
         h = self.ln1(x)
 
-        def split(t):
-            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+        def split(t):  # heads by their width: tensor parallel as it is (bench_tp.py)
+            return t.view(b, s, -1, d // self.heads).transpose(1, 2)
 
         q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.down_proj(F.gelu(self.up_proj(self.ln2(x))))
 
 

@@ -38,9 +38,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from _timing import machine, run_ranks
+from bench_overlap import Stack
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -49,41 +48,6 @@ import dmuon_fn as dmuon
 
 SHAPE = (2, 2)  # (dp, tp)
 CONFIGS = ["FSDP2 + TP + AdamW Z2", "dmuon TP Z2", "FSDP2 + TP + AdamW Z3", "dmuon TP Z3"]
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = d // heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.q_proj, self.k_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        self.up_proj = nn.Linear(d, 4 * d, bias=False)
-        self.down_proj = nn.Linear(4 * d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        h = self.ln1(x)
-
-        def split(t):  # this tensor rank's heads
-            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
-        return x + self.down_proj(F.gelu(self.up_proj(self.ln2(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, d: int, heads: int, layers: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
 
 
 def _tp_plan() -> dict:
