@@ -32,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _fsdp_adapter as fsdp
 from . import _guard as guard
 from ._dispatch import agreed_aspect, gram_min_aspect, setup_field
 from ._fnplan import FnPlan
@@ -116,6 +117,13 @@ def plan(
     named = list(model.named_parameters())
     if not named:
         raise ValueError("the model has no parameters to plan")
+    split = [n for n, p in named if fsdp.is_dtensor(p)]
+    if split:
+        raise ValueError(
+            f"{split[0]} is a DTensor ({len(split)} in all): the functional API plans plain "
+            "tensors. For tensor parallelism use the object API (parallelize_module, then "
+            "dedicate_params and Muon)"
+        )
     predicate = predicate or (lambda n, p: p.ndim >= 2)
     muon = frozenset(n for n, p in named if predicate(n, p))
     bad = [n for n in muon if dict(named)[n].ndim < 2]

@@ -117,6 +117,8 @@ def _tensor_parallel(rank, world):
     model = _TPNet()
     model.mix.weight = nn.Parameter(distribute_tensor(model.mix.weight.detach(), mesh))
     out["two_d"] = _raises(lambda: dmuon.dedicate_params(model, mesh["dp"], lambda n, p: True))
+    model = parallelize_module(_TPNet(), mesh["tp"], plan)
+    out["functional"] = _raises(lambda: dmuon.plan(model, mesh["dp"]))
     return out
 
 
@@ -133,6 +135,7 @@ def test_tensor_parallel_parameters_are_dedicated():
         assert r["workaround"]["moved"] == ["down.weight", "mix.weight", "up.weight"]
         assert "are not the dims of one mesh over the world" in r["same_mesh"], r["same_mesh"]
         assert "mix.weight is a DTensor over a 2-D mesh" in r["two_d"], r["two_d"]
+        assert "up.weight is a DTensor (2 in all): the functional API" in r["functional"]
     assert r0["workaround"]["ns_calls"] + r1["workaround"]["ns_calls"] == 1
     for key in ("all", "pure", "workaround"):  # the replicated copies agree after the step
         assert torch.equal(r0[key]["mix"], r1[key]["mix"]), key
