@@ -51,7 +51,7 @@ def check_meshes(
         raise ValueError(
             f"mesh ({mesh.size()} ranks) and replicate_mesh ({replicate_mesh.size()} ranks)"
             f"{tensor} disagree with the world size {dist.get_world_size()}: they must be the "
-            "'shard' and 'replicate' dims of one 2-D mesh"
+            f"'shard' and 'replicate' dims of one {'3-D' if tensor else '2-D'} mesh"
         )
     shard_ranks = set(mesh.mesh.flatten().tolist())
     rep_ranks = set(replicate_mesh.mesh.flatten().tolist())

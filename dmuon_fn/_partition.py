@@ -293,7 +293,7 @@ def partition(
         within the LPT bound).
 
     tensor_size, layouts: tensor parallelism (T ranks; {name: layout}, e.g. "Shard(0)",
-        "Replicate()", "plain", for every name). Shapes are the whole parameters'. An owner slot
+        "Replicate()", "plain", for every name; default all "plain"). Shapes are the whole parameters'. An owner slot
         is then a data-parallel coordinate whose T tensor ranks each hold their part of the
         parameter; within each slot the matrices' Newton-Schulz runs are spread over the T
         tensor ranks by the same scheduler (`Plan.tensor_slots`), so the busiest (data, tensor)
@@ -370,6 +370,8 @@ def partition(
     tensor_slots: list[int] = []
     if tensor_size > 1 or layouts is not None:
         tensor_slots = _tensor_slots(slots, ns, tensor_size)
+        if layouts is None:  # every parameter plain: a whole copy on each tensor rank
+            layouts = dict.fromkeys(names, "plain")
 
     loads: list[list[float]] = [[] for _ in range(world_size)]
     sbytes = [0] * world_size

@@ -113,10 +113,15 @@ class TensorExchange:
     def finish(self) -> None:
         """Wait for every transfer not waited on yet (a skipped result), so none outlives the
         step."""
-        for works in (*self._recv.values(), *self._sent.values()):
-            for item in works:
-                (item if isinstance(item, dist.Work) else item[2]).wait()
-        self._recv.clear(), self._sent.clear(), self._out.clear(), self._posted.clear()
+        for received in self._recv.values():
+            for _, _, work in received:
+                work.wait()
+        for sent in self._sent.values():
+            for work in sent:
+                work.wait()
+        for pending in (self._recv, self._sent, self._out):
+            pending.clear()
+        self._posted.clear()
 
 
 def _isend(t: Tensor, tp, dst: int, tag: int) -> dist.Work:
