@@ -293,11 +293,12 @@ def partition(
         within the LPT bound).
 
     tensor_size, layouts: tensor parallelism (T ranks; {name: layout}, e.g. "Shard(0)",
-        "Replicate()", "plain", for every name; default all "plain"). Shapes are the whole parameters'. An owner slot
-        is then a data-parallel coordinate whose T tensor ranks each hold their part of the
-        parameter; within each slot the matrices' Newton-Schulz runs are spread over the T
-        tensor ranks by the same scheduler (`Plan.tensor_slots`), so the busiest (data, tensor)
-        rank is balanced in two levels: data slots first, tensor ranks within each.
+        "Replicate()", "plain", for every name; default all "plain"). Shapes are the whole
+        parameters'. An owner slot is then a data-parallel coordinate whose T tensor ranks each
+        hold their part of the parameter; within each slot the matrices' Newton-Schulz runs
+        are spread over the T tensor ranks by the same scheduler (`Plan.tensor_slots`), so the
+        busiest (data, tensor) rank is balanced in two levels: data slots first, tensor ranks
+        within each.
 
     The result depends only on the names and shapes, not on their order or on hash seeds.
     """
