@@ -164,7 +164,7 @@ def layout_name(p: torch.Tensor) -> str:
     if not isinstance(p, DTensor):
         return PLAIN
     (pl,) = p.placements
-    return f"Shard({pl.dim})" if isinstance(pl, Shard) else "Replicate()"
+    return f"Shard({pl.dim % p.ndim})" if isinstance(pl, Shard) else "Replicate()"
 
 
 def part_of(p: torch.Tensor) -> torch.Tensor:

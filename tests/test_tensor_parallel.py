@@ -1,10 +1,16 @@
-"""Dedicated Muon on FSDP2 + TP and HSDP + TP meshes against a single-process reference.
+"""Dedicated Muon on FSDP2 + TP and HSDP + TP meshes against a single-process reference
+(proofs/tensor_parallel.md).
 
 The model (tests/_tp.py) splits block 0 and the head over the tensor ranks (Shard(0) and
 Shard(1) matrices, an uneven head, Replicate() and Shard(0) biases) and leaves block 1
 replicated. Tolerance: as tests/test_distributed.py (1e-4 relative per parameter after five
 steps): tensor parallelism adds only other summation orders (a row-wise layer's partial products
 summed across tensor ranks), fp32 rounding amplified by Newton-Schulz and Adam.
+
+Per run: the parameters against the reference, Newton-Schulz runs over the job, the first
+step's gradient norm (each value counted once), the step's collectives and its exchange bytes
+against their formula, and Z3's re-gathers. Also: checkpoints across tensor-parallel degrees,
+blocks compiled alone (no graph break), a matrix with an empty part, bf16 compute.
 """
 
 from __future__ import annotations
