@@ -47,11 +47,11 @@ def parallelize(model: TPModel, tp_mesh) -> TPModel:
 
 
 def tokens(step: int, data_rank: int = 0, data_size: int = 1) -> torch.Tensor:
-    """Data rank `data_rank`'s rows of step `step`'s global batch of 4 sequences (equal parts,
-    so the mean of the ranks' losses is the global batch's for any number of data ranks)."""
+    """Data rank `data_rank`'s rows of step `step`'s global batch of 8 sequences (equal parts,
+    so the mean of the ranks' losses is the global batch's for 1, 2, 4 or 8 data ranks)."""
     g = torch.Generator().manual_seed(1000 + step)
-    rows = 4 // data_size
-    return torch.randint(0, V, (4, 8), generator=g)[data_rank * rows : (data_rank + 1) * rows]
+    rows = 8 // data_size
+    return torch.randint(0, V, (8, 8), generator=g)[data_rank * rows : (data_rank + 1) * rows]
 
 
 def is_matrix(name: str, p: torch.Tensor) -> bool:

@@ -191,34 +191,41 @@ def _steps_on(model, opt, data, steps=range(3)):
     opt.wait_publish()
 
 
-def _resume(rank, world, path, z3):
-    """Three steps at (dp 2, tp 2) and a checkpoint; loaded at (dp 4, tp 1) and at (2, 2), two
-    steps more each; and the uninterrupted five steps."""
+def _resume(rank, world, path, z3, saved, loaded):
+    """Three steps on mesh `saved` and a checkpoint; loaded on each mesh of `loaded`, two steps
+    more each; and the uninterrupted five steps on `saved`."""
     out = {}
-    model, opt = _setup((2, 2), z3, False)
-    _steps(model, opt, range(3), rank, world, 2)
+    model, opt = _setup(saved, z3, False)
+    _steps(model, opt, range(3), rank, world, saved[-1])
     dmuon.save_checkpoint(path, model, opt)
-    for shape in ((4, 1), (2, 2)):
+    for shape in loaded:
         model, opt = _setup(shape, z3, False)
         dmuon.load_checkpoint(path, model, opt)
         _steps(model, opt, range(3, STEPS), rank, world, shape[-1])
         out[shape] = _tp.full_params(model, model._dmuon_state)
-    model, opt = _setup((2, 2), z3, False)
-    _steps(model, opt, range(STEPS), rank, world, 2)
+    model, opt = _setup(saved, z3, False)
+    _steps(model, opt, range(STEPS), rank, world, saved[-1])
     out["uninterrupted"] = _tp.full_params(model, model._dmuon_state)
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("z3", [True, False])
-def test_checkpoint_saved_at_tensor_2_loads_at_tensor_1_and_2(tmp_path, z3):
-    results = run_ranks(_resume, 4, str(tmp_path / "ckpt"), z3, timeout=600)
+@pytest.mark.parametrize(
+    "world,saved,loaded,z3",
+    [
+        (4, (2, 2), ((4, 1), (2, 2)), True),  # (dp, tp): TP 2 -> 1 and 2 -> 2
+        (4, (2, 2), ((4, 1), (2, 2)), False),
+        (8, (2, 2, 2), ((2, 4, 1), (1, 4, 2), (2, 2, 2)), True),  # HSDP + TP
+    ],
+)
+def test_checkpoint_reshards_across_tensor_parallel_degrees(tmp_path, world, saved, loaded, z3):
+    results = run_ranks(_resume, world, str(tmp_path / "ckpt"), z3, saved, loaded, timeout=600)
     ref = _reference(False)
-    for key in ((4, 1), (2, 2), "uninterrupted"):
+    for key in (*loaded, "uninterrupted"):
         _close(ref, [r[key] for r in results], key)
-    for r in results:  # the resumed runs equal the uninterrupted one (same mesh: bitwise)
+    for r in results:  # the resumed run on the saved mesh equals the uninterrupted one, bitwise
         for n, want in r["uninterrupted"].items():
-            assert torch.equal(r[(2, 2)][n], want), n
+            assert torch.equal(r[saved][n], want), n
 
 
 def _compiled(rank, world, z3):
