@@ -131,20 +131,21 @@ def dedicate_params(
     non_matrix = [n for n in names_in_order if len(shapes[n]) < 2]
     device = _mesh_device(mesh, next(iter(params.values())).device)
     aspect = agreed_aspect(device)  # every rank plans (and runs) rank 0's NS dispatch
-    tp = None
-    if tmesh is not None:  # every parameter's layout over the tensor ranks joins the plan
-        group = own_group(tmesh.get_group())
-        tp = TensorMesh(tmesh, group, tmesh.get_local_rank(), tmesh.size())
     plan = partition(
         shapes,
         G * R,
         replicate_size=R,
         elementwise=non_matrix,
         gram_min_aspect=aspect,
-        tensor_size=1 if tp is None else tp.size,
-        layouts=None if tp is None else {seen[i][0]: layout_name(params[i]) for i in seen},
+        # every parameter's layout over the tensor ranks joins the plan (and its check)
+        tensor_size=1 if tmesh is None else tmesh.size(),
+        layouts=None if tmesh is None else {seen[i][0]: layout_name(params[i]) for i in seen},
     )
-    check_plan_consistent(plan)
+    check_plan_consistent(plan)  # before any other collective: ranks that disagree all raise
+    tp = None
+    if tmesh is not None:
+        group = own_group(tmesh.get_group())
+        tp = TensorMesh(tmesh, group, tmesh.get_local_rank(), tmesh.size())
 
     st = DedicatedState(
         plan=plan,

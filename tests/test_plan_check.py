@@ -31,6 +31,15 @@ def _worker(rank: int, world: int) -> dict:
         result["mismatch"] = None
     except PlanMismatchError as e:
         result["mismatch"] = str(e)
+    # Tensor parallelism: rank 1 split a matrix rank 0 kept whole (a TP plan applied apart)
+    layouts = dict.fromkeys(_model(), "plain")
+    if rank == 1:
+        layouts["blocks.1.mlp.up.w"] = "Shard(0)"
+    try:
+        check_plan_consistent(partition(_model(), 2, tensor_size=2, layouts=layouts))
+        result["layout"] = None
+    except PlanMismatchError as e:
+        result["layout"] = str(e)
     return result
 
 
@@ -46,6 +55,7 @@ def test_ranks_agree_or_all_raise_naming_the_first_differing_parameter():
         assert "'blocks.0.attn.w'" in msg and shape in msg, msg
         assert "agree on its name but not on its shape or owner" in msg
         assert "ranks 0 and 1" in msg
+        assert "'blocks.1.mlp.up.w'" in res[r]["layout"], res[r]["layout"]
 
 
 def test_param_hashes_locate_the_change():
