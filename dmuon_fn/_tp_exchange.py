@@ -10,9 +10,12 @@ elementwise (`muon_momentum`). Then, per matrix:
     scatter  the root sends each tensor rank its part of O (a whole copy: all of O)
 
 and every tensor rank applies its part of O to its part of the parameter (`muon_apply`, with
-the whole matrix's shape for the lr scale). Point-to-point transfers over dmuon_fn's own
-group of the tensor ranks, all posted before any waits (receives first), so the roots of
-different matrices orthogonalize side by side; each matrix's transfers carry their own tags.
+the whole matrix's shape for the lr scale). The transfers are point-to-point over dmuon_fn's
+own group of the tensor ranks, in two batches (`batch_isend_irecv`): every part of u of the
+step, then every part of O, each listed in the plan's entry order on every rank, so between any
+two ranks the sends of one side and the receives of the other come in the same order (NCCL
+matches them by that order alone; gloo also by tag: each matrix and direction has its own).
+The roots of different matrices orthogonalize side by side, between the two batches.
 
 What travels per matrix of N elements, T tensor ranks: (T−1)/T·N elements of u in and the same
 of O out for a sharded matrix; (T−1)·N of O out for a whole copy. The full update is sent, not
@@ -36,65 +39,61 @@ TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its sca
 
 
 class TensorExchange:
-    """One step's exchange (module docstring): `post` every matrix, `orthogonalize` (the roots'
-    Newton-Schulz), then `result` per matrix."""
+    """One step's exchange (module docstring): `post` every matrix, `orthogonalize` (the gather,
+    the roots' Newton-Schulz, the scatter issued), then `result` per matrix."""
 
     def __init__(self, ns: NSConfig) -> None:
         self.ns = ns
         self.ns_calls = 0
         self._posted: list[tuple[Entry, int, Tensor]] = []
-        self._recv: dict[int, list[tuple[int, Tensor, dist.Work]]] = {}
-        self._sent: dict[int, list[dist.Work]] = {}
         self._out: dict[int, Tensor] = {}
+        self._scatter: list[dist.Work] = []
 
     def post(self, e: Entry, index: int, u: Tensor) -> None:
         """This rank's part `u` of entry `e`'s Newton-Schulz input (a temporary: the root may
         overwrite it); `index` is the entry's place in the plan, the same on every rank."""
-        lay = e.tp
-        tp = lay.tp
-        tag = TP_TAG + 2 * index
-        with phase(f"step (tensor-parallel gather of {e.name})"):
-            if tp.rank == lay.root:
-                if lay.sharded:
-                    self._recv[id(e)] = [
-                        (t, buf := u.new_empty(lay.part_shape(t)), _irecv(buf, tp, t, tag))
-                        for t in range(tp.size)
-                        if t != tp.rank
-                    ]
-            else:
-                if lay.sharded:
-                    self._sent[id(e)] = [_isend(u.contiguous(), tp, lay.root, tag)]
-                buf = u.new_empty(lay.part_shape(tp.rank))  # orthogonalize keeps u's dtype
-                self._out[id(e)] = buf
-                self._recv[id(e)] = [(lay.root, buf, _irecv(buf, tp, lay.root, tag + 1))]
         self._posted.append((e, index, u))
 
     def orthogonalize(self) -> None:
-        """The roots' part: for each posted matrix this rank is the root of, wait for the other
-        parts, orthogonalize the whole, send each tensor rank its part of the result."""
+        """Gather every split matrix's parts of u to its root (one batch), orthogonalize each
+        matrix this rank is the root of, and issue the scatter of O's parts (one batch)."""
+        ops, received = [], {}
         for e, index, u in self._posted:
-            lay = e.tp
-            tp = lay.tp
+            lay, tp = e.tp, e.tp.tp
+            if not lay.sharded:
+                continue
+            if tp.rank == lay.root:
+                received[id(e)] = bufs = {
+                    t: u.new_empty(lay.part_shape(t)) for t in range(tp.size) if t != tp.rank
+                }
+                ops += [_op(dist.irecv, b, tp, t, TP_TAG + 2 * index) for t, b in bufs.items()]
+            else:
+                ops.append(_op(dist.isend, u.contiguous(), tp, lay.root, TP_TAG + 2 * index))
+        for work in _batch(ops, "gather"):
+            _wait(work, "gather")
+        ops = []
+        for e, index, u in self._posted:
+            lay, tp = e.tp, e.tp.tp
+            tag = TP_TAG + 2 * index + 1
             if tp.rank != lay.root:
+                buf = u.new_empty(lay.part_shape(tp.rank))  # orthogonalize keeps u's dtype
+                ops.append(_op(dist.irecv, buf, tp, lay.root, tag))
+                self._out[id(e)] = buf
                 continue
             whole = u
             if lay.sharded:
-                parts = dict.fromkeys(range(tp.size))
-                parts[tp.rank] = u
-                for t, buf, work in self._recv.pop(id(e)):
-                    _wait(work, e)
-                    parts[t] = buf
+                parts = received.pop(id(e)) | {tp.rank: u}
                 whole = torch.cat([parts[t] for t in range(tp.size)], dim=lay.dim)
             O = orthogonalize_with(whole.reshape(whole.shape[0], -1), self.ns, overwrite=True)
             O = O.reshape(lay.full_shape).contiguous()  # (a tall matrix's O is transposed)
             self.ns_calls += 1
-            sends = []
-            with phase(f"step (tensor-parallel scatter of {e.name})"):
-                for t in range(tp.size):
-                    if t != tp.rank:
-                        sends.append(_isend(self._part(O, lay, t), tp, t, TP_TAG + 2 * index + 1))
-            self._sent[id(e)] = sends
+            ops += [
+                _op(dist.isend, self._part(O, lay, t), tp, t, tag)
+                for t in range(tp.size)
+                if t != tp.rank
+            ]
             self._out[id(e)] = self._part(O, lay, tp.rank)
+        self._scatter = _batch(ops, "scatter")
 
     @staticmethod
     def _part(O: Tensor, lay, t: int) -> Tensor:
@@ -103,35 +102,31 @@ class TensorExchange:
         return O.narrow(lay.dim, lay.offset(t), lay.sizes[t]).contiguous()
 
     def result(self, e: Entry) -> Tensor:
-        """This rank's part of `e`'s orthogonalized update (the caller may overwrite it)."""
-        for _, _, work in self._recv.pop(id(e), ()):
-            _wait(work, e)
-        for work in self._sent.pop(id(e), ()):  # the root's part may share memory with a send
-            _wait(work, e)
+        """This rank's part of `e`'s orthogonalized update (the caller may overwrite it: the
+        scatter, which may read the root's part, has landed)."""
+        self.finish()
         return self._out.pop(id(e))
 
     def finish(self) -> None:
-        """Wait for every transfer not waited on yet (a skipped result), so none outlives the
-        step."""
-        for received in self._recv.values():
-            for _, _, work in received:
-                work.wait()
-        for sent in self._sent.values():
-            for work in sent:
-                work.wait()
-        for pending in (self._recv, self._sent, self._out):
-            pending.clear()
-        self._posted.clear()
+        """Wait for the scatter, so no transfer outlives the step."""
+        for work in self._scatter:
+            _wait(work, "scatter")
+        self._scatter = []
 
 
-def _isend(t: Tensor, tp, dst: int, tag: int) -> dist.Work:
-    return dist.isend(t, group=tp.group, group_dst=dst, tag=tag)
+def _op(fn, t: Tensor, tp, peer: int, tag: int) -> dist.P2POp:
+    return dist.P2POp(fn, t, group=tp.group, tag=tag, group_peer=peer)
 
 
-def _irecv(t: Tensor, tp, src: int, tag: int) -> dist.Work:
-    return dist.irecv(t, group=tp.group, group_src=src, tag=tag)
+def _batch(ops: list[dist.P2POp], what: str) -> list[dist.Work]:
+    """One batch of transfers (NCCL: one group, in whose order each pair of ranks sends and
+    receives alike; gloo: matched by tag as well)."""
+    if not ops:
+        return []
+    with phase(f"step (tensor-parallel {what})"):
+        return dist.batch_isend_irecv(ops)
 
 
-def _wait(work: dist.Work, e: Entry) -> None:
-    with blocked(), phase(f"step (tensor-parallel exchange of {e.name})"):
+def _wait(work: dist.Work, what: str) -> None:
+    with blocked(), phase(f"step (tensor-parallel {what})"):
         work.wait()
