@@ -102,7 +102,8 @@ def _train(rank, world, shape, z3, pure, gather_in_step=False):
         norm0=norm0,
         # dmuon_fn's gathers (FSDP2 all-gathers; the publish runs in the step)
         gathered={ph: comm.stats[ph].op_bytes["broadcast_"] for ph in ("forward", "backward")},
-        layouts=sorted({(e.name, e.tp.dim, e.tp.placements is not None) for e in st.entries}),
+        # the layouts the run covered: (split dim or None, computed with as a DTensor)
+        layouts={(e.tp.dim, e.tp.placements is not None) for e in st.entries},
     )
 
 
@@ -140,6 +141,9 @@ def _check(shape, results, z3, pure, gather_in_step=False):
         if not gather_in_step:  # (else the step issues some of the forward's gathers)
             assert r["gathered"]["backward"] == want, r["gathered"]
     r0 = results[0]
+    # row- and column-wise shards, plain whole copies; with pure also the Replicate() bias
+    covered = {(0, True), (1, True), (None, False)} | ({(None, True)} if pure else set())
+    assert r0["layouts"] == covered, r0["layouts"]
     # each matrix orthogonalized exactly once per step in the whole job
     assert sum(r["ns_calls"] for r in results) == STEPS * r0["n_matrices"]
     # the step's traffic: the global norm and the TP exchange; under HSDP also the publish and
