@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -178,3 +179,34 @@ def reference(
                 p.mul_(1 - lr * hp["wd"]).sub_(lr * scale * ns_fp32(u))
             adamw.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_params(model: nn.Module, st=None) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value on every rank, by module path (test-only: broadcasts over
+    the world). The global rank of mesh coordinate (replica, shard[, tensor]) is row-major;
+    `st`: the model's dedicated state (default: its own)."""
+    st = model._dmuon_state if st is None else st
+    out = {}
+    T = 1 if st.tensor is None else st.tensor.size
+    for n, p in model.named_parameters():
+        n = n.replace("_orig_mod.", "")  # (a block compiled alone)
+        e = st.entry(p)
+        if e is None:
+            out[n] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach()
+            continue
+        slot = e.owner_replica * st.shard_size + e.owner_shard
+        here = st.is_global_owner(e)
+        if e.tp is None or not e.tp.sharded:
+            buf = e.param.detach().clone() if here else torch.empty(e.full_shape)
+            dist.broadcast(buf, src=slot * T)
+            out[n] = buf.to(e.dtype)
+            continue
+        parts = []
+        for t in range(T):
+            shape = e.tp.part_shape(t)
+            mine = here and st.tensor.rank == t
+            buf = e.param.detach().clone() if mine else torch.empty(shape)
+            dist.broadcast(buf, src=slot * T + t)
+            parts.append(buf)
+        out[n] = torch.cat(parts, dim=e.tp.dim).to(e.dtype)
+    return out

@@ -9,7 +9,6 @@ its output replicated. The same model unparallelized is the single-process refer
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
@@ -57,32 +56,3 @@ def tokens(step: int, data_rank: int = 0, data_size: int = 1) -> torch.Tensor:
 def is_matrix(name: str, p: torch.Tensor) -> bool:
     """The dedicated matrices (the embedding is left to FSDP2 and AdamW)."""
     return p.ndim == 2 and "embed" not in name
-
-
-def full_params(model: nn.Module, st) -> dict[str, torch.Tensor]:
-    """Every parameter's whole value on every rank (test-only: broadcasts over the world). The
-    global rank of mesh coordinate (replica, shard, tensor) is row-major."""
-    out = {}
-    T = 1 if st.tensor is None else st.tensor.size
-    for n, p in model.named_parameters():
-        n = n.replace("_orig_mod.", "")  # (a block compiled alone)
-        e = st.entry(p)
-        if e is None:
-            out[n] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach()
-            continue
-        slot = e.owner_replica * st.shard_size + e.owner_shard
-        here = st.is_global_owner(e)
-        if e.tp is None or not e.tp.sharded:
-            buf = e.param.detach().clone() if here else torch.empty(e.full_shape)
-            dist.broadcast(buf, src=slot * T)
-            out[n] = buf.to(e.dtype)
-            continue
-        parts = []
-        for t in range(T):
-            shape = e.tp.part_shape(t)
-            mine = here and st.tensor.rank == t
-            buf = e.param.detach().clone() if mine else torch.empty(shape)
-            dist.broadcast(buf, src=slot * T + t)
-            parts.append(buf)
-        out[n] = torch.cat(parts, dim=e.tp.dim).to(e.dtype)
-    return out

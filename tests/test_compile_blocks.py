@@ -28,7 +28,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
@@ -38,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import Block, D, is_proj, meshes, muon_fp32
+from tests._models import Block, D, full_params, is_proj, meshes, muon_fp32
 
 STEPS = 4
 TOL = 1e-5
@@ -124,22 +123,6 @@ def _count_ops(gm: torch.fx.GraphModule, name: str) -> int:
     )
 
 
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value on every rank (test-only gather), by module path."""
-    st = model._dmuon_state
-    out = {}
-    for n, p in model.named_parameters():
-        n = n.replace("_orig_mod.", "")
-        e = st.entry(p)
-        if e is None:
-            out[n] = p.full_tensor().detach().clone()
-            continue
-        buf = e.param.detach().clone() if st.is_global_owner(e) else torch.empty(e.shape)
-        dist.broadcast(buf, src=e.owner_replica * st.shard_size + e.owner_shard)
-        out[n] = buf
-    return out
-
-
 def _train(rank, world, hsdp, z3, mode, backend="record", dedicate=True):
     """mode: "eager", "titan" (compile(fullgraph) then fully_shard) or "after" (fully_shard
     then block.compile())."""
@@ -183,7 +166,7 @@ def _train(rank, world, hsdp, z3, mode, backend="record", dedicate=True):
         frames.append(cnt.frame_count)
     opt.wait_publish()
     return dict(
-        params=_full_params(model),
+        params=full_params(model),
         frames=frames,
         breaks=sum(counters["graph_break"].values()),
         fw=rec.fw,
@@ -286,7 +269,7 @@ def _raise_once(rank, world, fail):
         model(x).backward()
         opt.step()
     no_hooks_left = torch._C._autograd._top_saved_tensors_default_hooks(True) is None
-    return dict(params=_full_params(model), placeholders=placeholders, no_hooks_left=no_hooks_left)
+    return dict(params=full_params(model), placeholders=placeholders, no_hooks_left=no_hooks_left)
 
 
 def _raise_once_pair(rank, world):

@@ -13,31 +13,14 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import HP, batch, is_proj, make, meshes, muon_fp32, reference
+from tests._models import HP, batch, full_params, is_proj, make, meshes, muon_fp32, reference
 
 STEPS = 5
 TOL = 1e-4
-
-
-def _full_params(model, st) -> dict[str, torch.Tensor]:
-    """Every parameter's full value on every rank (test-only gather)."""
-    out = {}
-    for n, p in model.named_parameters():
-        e = st.entry(p)
-        if e is None:
-            out[n] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach()
-            continue
-        buf = e.param.detach().clone() if st.is_global_owner(e) else torch.empty(e.shape)
-        src = e.owner_replica * st.shard_size + e.owner_shard
-        dist.broadcast(buf, src=src)
-        out[n] = buf.to(e.dtype)
-    return out
 
 
 def _train(rank, world, name, hsdp, z3, async_, pure, fsdp2=True, count=False):
@@ -79,7 +62,7 @@ def _train(rank, world, name, hsdp, z3, async_, pure, fsdp2=True, count=False):
     }
     p_m = sum(math.prod(e.shape) * 4 for e in st.entries if e.is_matrix)
     return dict(
-        params=_full_params(model, st),
+        params=full_params(model, st),
         owners=owners,
         ns_calls=opt.ns_calls,
         step_calls={k: v for k, v in comm.stats["step"].calls.items() if v},

@@ -13,8 +13,7 @@ import torch
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import meshes, muon_fp32
-from tests.test_distributed import _full_params
+from tests._models import full_params, meshes, muon_fp32
 from tests.test_prefetch import Chain, _x
 
 ORDER = (0, 1, 2)
@@ -46,7 +45,7 @@ def _load_between(rank, world, z3, path):
         dmuon.load_checkpoint(f"{path}/{in_step}", model, opt)
         _train(model, opt, rank, range(3, 5))
         opt.wait_publish()
-        out[in_step] = _full_params(model, model._dmuon_state)
+        out[in_step] = full_params(model, model._dmuon_state)
     return out
 
 

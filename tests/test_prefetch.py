@@ -24,8 +24,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import HP, Block, D, meshes, muon_fp32, reference
-from tests.test_distributed import _full_params
+from tests._models import HP, Block, D, full_params, meshes, muon_fp32, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
 from _memory import peak_bytes
@@ -119,7 +118,7 @@ def _orders(rank, world, hsdp, z3, depth, compile_blocks):
 
 
 def _params(model):
-    return _full_params(model, model._dmuon_state)
+    return full_params(model, model._dmuon_state)
 
 
 def _assert_one_order_per_group(logs, what):

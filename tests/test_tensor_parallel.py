@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 import dmuon_fn as dmuon
 from tests import _tp
 from tests._dist import run_ranks
-from tests._models import HP, muon_fp32, reference
+from tests._models import HP, full_params, muon_fp32, reference
 
 STEPS = 5
 TOL = 1e-4
@@ -88,7 +88,7 @@ def _train(rank, world, shape, z3, pure, gather_in_step=False):
     whole = [e for e in st.entries if e.is_matrix and not e.tp.sharded]
     step = comm.stats["step"]
     return dict(
-        params=_tp.full_params(model, st),
+        params=full_params(model, st),
         ns_calls=opt.ns_calls,
         n_matrices=sum(e.is_matrix for e in st.entries),
         step_calls={k: v for k, v in step.calls.items() if v},
@@ -206,10 +206,10 @@ def _resume(rank, world, path, z3, saved, loaded):
         model, opt = _setup(shape, z3, False)
         dmuon.load_checkpoint(path, model, opt)
         _steps(model, opt, range(3, STEPS), rank, world, shape[-1])
-        out[shape] = _tp.full_params(model, model._dmuon_state)
+        out[shape] = full_params(model, model._dmuon_state)
     model, opt = _setup(saved, z3, False)
     _steps(model, opt, range(STEPS), rank, world, saved[-1])
-    out["uninterrupted"] = _tp.full_params(model, model._dmuon_state)
+    out["uninterrupted"] = full_params(model, model._dmuon_state)
     return out
 
 
@@ -240,7 +240,7 @@ def _compiled(rank, world, z3):
         counters.clear()
         model, opt = _setup((2, 2), z3, False, compile_blocks=mode == "compiled")
         _steps(model, opt, range(3), rank, world, 2)
-        out[mode] = _tp.full_params(model, model._dmuon_state)
+        out[mode] = full_params(model, model._dmuon_state)
         out[f"{mode} breaks"] = sum(counters["graph_break"].values())
         out[f"{mode} frames"] = counters["stats"]["unique_graphs"]
     return out
@@ -280,7 +280,7 @@ def _empty_part(rank, world):
     dmuon.dedicate_params(model, mesh["dp"], pure=True)
     opt = muon_fp32(model)
     _steps_on(model, opt, lambda step: _x(step))
-    return dict(params=_tp.full_params(model, model._dmuon_state), ns_calls=opt.ns_calls)
+    return dict(params=full_params(model, model._dmuon_state), ns_calls=opt.ns_calls)
 
 
 def test_a_matrix_with_an_empty_part_steps_like_the_whole():
@@ -309,7 +309,7 @@ def _mixed(rank, world):
     _steps_on(model, opt, lambda step: _tp.tokens(step, rank // 2, 2))
     st = model._dmuon_state
     return dict(
-        params=_tp.full_params(model, st),
+        params=full_params(model, st),
         seen=seen["q"],
         masters={e.param.dtype for e in st.entries if st.is_global_owner(e)},
         states={
