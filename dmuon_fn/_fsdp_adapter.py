@@ -19,7 +19,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -52,24 +51,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def counted_here(t: torch.Tensor, copies: tuple[set[int], int] | None = None) -> bool:
+def counted_here(t: torch.Tensor) -> bool:
     """Whether this rank's local part of `t` counts in a sum over the job: a DTensor's local
     shard counts on the rank at coordinate 0 of every mesh dim it is replicated over (HSDP
-    replicas hold identical copies); a plain tensor always. copies: (ranks, index): this rank is
-    rank `index` of `ranks`, which hold equal copies of whatever a mesh without any of the other
-    `ranks` holds (tensor-parallel ranks, for a parameter they do not split): such a value
-    counts on index 0 only."""
-    if copies is not None:
-        ranks, index = copies
-        mesh = set(t.device_mesh.mesh.flatten().tolist()) if isinstance(t, DTensor) else set()
-        if index != 0 and not (mesh & ranks) - {dist.get_rank()}:
-            return False
+    replicas hold identical copies); a plain tensor always."""
     if not isinstance(t, DTensor):
         return True
     coord = t.device_mesh.get_coordinate()
     if coord is None:  # this rank is not in the tensor's mesh
         return False
     return all(c == 0 for c, pl in zip(coord, t.placements, strict=True) if pl.is_replicate())
+
+
+def mesh_ranks(t: torch.Tensor) -> set[int]:
+    """The global ranks of a DTensor's mesh (empty for a plain tensor)."""
+    return set(t.device_mesh.mesh.flatten().tolist()) if isinstance(t, DTensor) else set()
 
 
 def dtensor_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

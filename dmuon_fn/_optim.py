@@ -142,10 +142,8 @@ class Muon(torch.optim.Optimizer):
         self.ns_calls = 0  # Newton-Schulz runs on this rank, for tests and benchmarks
         self._index = {id(e): i for i, e in enumerate(st.entries)}  # the same on every rank
         self._exchange: TensorExchange | None = None
-        # tensor parallelism: the tensor ranks hold equal copies of what they do not split
-        tp = st.tensor
-        self._copies = None if tp is None else (set(tp.mesh.mesh.flatten().tolist()), tp.rank)
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._tensor_copies = _tensor_copies(model, st)
         muon, adamw = [], []
         for p in model.parameters():
             e = st.entry(p)
@@ -345,12 +343,9 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if not self._steps(p):
                     continue  # (a stale gradient: step() skips it, so does the norm)
-                e = self.st.entry(p)
-                if e is not None and e.tp is not None:
-                    # a split matrix's parts are distinct; a whole copy counts on tensor rank 0
-                    counted = e.tp.sharded or e.tp.tp.rank == 0
-                else:
-                    counted = fsdp.counted_here(p.grad, self._copies)
+                # the tensor ranks' equal copies count once, on tensor rank 0
+                copy = id(p) in self._tensor_copies and self.st.tensor.rank != 0
+                counted = fsdp.counted_here(p.grad) and not copy
                 out.append((self._names[id(p)], fsdp.local(p.grad), counted))
         return out
 
@@ -435,6 +430,23 @@ class Muon(torch.optim.Optimizer):
         self.st.scheduler.wait_ahead()
         for e in self.st.entries:
             self.st.wait_publish(e)
+
+
+def _tensor_copies(model: nn.Module, st: DedicatedState) -> set[int]:
+    """ids of the parameters every tensor-parallel rank holds an equal copy of: dedicated ones
+    tensor parallelism does not split, and the others whose mesh (if any) has none of the other
+    tensor ranks (e.g. an FSDP2 shard over the data mesh alone). Empty without tensor
+    parallelism."""
+    tp = st.tensor
+    if tp is None or tp.size == 1:
+        return set()
+    peers = set(tp.mesh.mesh.flatten().tolist()) - {dist.get_rank()}
+    out = set()
+    for p in model.parameters():
+        e = st.entry(p)
+        if (e is not None and not e.tp.sharded) or (e is None and not fsdp.mesh_ranks(p) & peers):
+            out.add(id(p))
+    return out
 
 
 def _write(dst: torch.Tensor, new: torch.Tensor, ok: torch.Tensor | None) -> None:

@@ -403,9 +403,11 @@ def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[i
     slot's matrices scheduled over its `tensor_size` ranks by their Newton-Schulz FLOPs
     (elementwise parameters, with none, stay on rank 0)."""
     out = [0] * len(slots)
-    for slot in sorted(set(slots)):
-        idx = [i for i, s in enumerate(slots) if s == slot and ns[i] > 0]
-        if idx:
-            for i, t in zip(idx, schedule([ns[i] for i in idx], tensor_size), strict=True):
-                out[i] = t
+    per_slot: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(slots):
+        if ns[i] > 0:
+            per_slot[s].append(i)
+    for idx in per_slot.values():
+        for i, t in zip(idx, schedule([ns[i] for i in idx], tensor_size), strict=True):
+            out[i] = t
     return out

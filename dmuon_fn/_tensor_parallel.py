@@ -72,26 +72,19 @@ class TensorLayout:
     def to_module(self, part: torch.Tensor) -> torch.Tensor:
         """What the module computes with: the DTensor over the tensor mesh it was built with
         (shares `part`'s memory; autograd hands the part its local gradient)."""
-        if self.placements is None:
-            return part
-        return DTensor.from_local(
-            part,
-            self.tp.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.full_shape,
-            stride=_contiguous_stride(self.full_shape),
-        )
+        return part if self.placements is None else self._whole(part, self.placements)
 
     def to_checkpoint(self, part: torch.Tensor) -> torch.Tensor:
         """`part` as the whole parameter's shard for DCP (a view, so a load writes into
         `part`); a whole copy stays plain (DCP writes one of the equal copies)."""
-        if not self.sharded:
-            return part
+        return self._whole(part, (Shard(self.dim),)) if self.sharded else part
+
+    def _whole(self, part: torch.Tensor, placements: tuple) -> torch.Tensor:
+        """`part` as this tensor rank's local tensor of a DTensor of the whole shape."""
         return DTensor.from_local(
             part,
             self.tp.mesh,
-            (Shard(self.dim),),
+            placements,
             run_check=False,
             shape=self.full_shape,
             stride=_contiguous_stride(self.full_shape),
@@ -110,7 +103,7 @@ def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
     """The 1-D mesh the model's DTensor parameters lie on (`parallelize_module`'s), or None.
     Raises for what dedicate_params cannot take: DTensors over several meshes or a mesh of more
     than one dimension, and placements other than Shard and Replicate."""
-    found: dict[int, tuple[str, DeviceMesh]] = {}
+    found: dict[tuple[int, ...], tuple[str, DeviceMesh]] = {}  # by the mesh's ranks
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             continue
@@ -128,15 +121,14 @@ def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
                 "Shard and Replicate (what ColwiseParallel, RowwiseParallel and "
                 "SequenceParallel make); redistribute the parameter, or leave it out"
             )
-        found.setdefault(id(mesh), (name, mesh))
-    meshes = {tuple(m.mesh.flatten().tolist()): (n, m) for n, m in found.values()}
-    if len(meshes) > 1:
-        (n1, m1), (n2, m2) = list(meshes.values())[:2]
+        found.setdefault(tuple(mesh.mesh.flatten().tolist()), (name, mesh))
+    if len(found) > 1:
+        (n1, m1), (n2, m2) = list(found.values())[:2]
         raise ValueError(
             f"{n1} and {n2} are DTensors over different meshes ({m1} and {m2}): dedicate_params "
             "takes one tensor-parallel mesh"
         )
-    return next(iter(meshes.values()))[1] if meshes else None
+    return next(iter(found.values()))[1] if found else None
 
 
 def check_crossing(tensor: DeviceMesh, data: list[DeviceMesh]) -> None:
