@@ -17,7 +17,6 @@ import pickle
 import signal
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
-from tests._dist import free_port, rank_context
+from tests._dist import init_rank, rank_context, rank_store
 from tests._models import batch, is_proj, make, muon_fp32
 
 W, STEPS, EVERY, DIE_AT, VICTIM = 3, 6, 2, 5, 1
@@ -66,8 +65,7 @@ def _train(rank: int, world: int, root: Path, out: Path, die: bool, resume: bool
 
 def _worker(rank: int, world: int, port: int, root: str, out: str, die: bool, resume: bool):
     torch.set_num_threads(1)  # W ranks share the machine's cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+    init_rank(rank, world, port, TIMEOUT)
     try:
         start = _train(rank, world, Path(root), Path(out), die, resume)
     except Exception as e:
@@ -83,20 +81,24 @@ def _launch(root: Path, out: Path, *, die: bool, resume: bool, deadline: float =
     """Run W ranks to completion (or death); {rank: (record or None, exit code)}."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = rank_context()
-    port = free_port()
+    store = rank_store(W)  # the rendezvous, alive until every rank has finished
     procs = [
-        ctx.Process(target=_worker, args=(r, W, port, str(root), str(out), die, resume))
+        ctx.Process(target=_worker, args=(r, W, store.port, str(root), str(out), die, resume))
         for r in range(W)
     ]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline
-    for p in procs:
-        p.join(timeout=max(0.1, end - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
+    try:
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline
+        for p in procs:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    finally:  # never leave a rank running: a timeout, a failure or an interrupt alike
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    del store
     assert not hung, f"ranks {hung} still running after {deadline} s: a hang"
     results = {}
     for r, p in enumerate(procs):

@@ -6,6 +6,11 @@ every setup collective (the dispatch agreement, the plan and setup checks, the H
 API and the functional API) and one training step of each face. torch's pickle-based
 `all_gather_object` fails there ("Numpy is not available"), which shows the environment is the
 one that broke the main command.
+
+The ranks rendezvous as torchrun's do: at a TCPStore that the launcher (here the test) holds open
+on a port the kernel picked (TORCHELASTIC_USE_AGENT_STORE), so no port is picked and then raced
+for. Both are killed if they have not finished within TIMEOUT s, or if the test fails or is
+interrupted while they run.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests._dist import free_port
+from tests._dist import HOST, rank_store
 
 ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 300  # s, for both ranks together
 
 _RANK = """
 import sys
@@ -62,26 +69,40 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_library_runs_without_numpy(tmp_path):
+    store = rank_store(2)  # open until both ranks have finished
     env = {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank joins the store as a client
         "WORLD_SIZE": "2",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    procs = []
+    try:
+        for r in range(2):
+            # files, not pipes: a rank blocked on a full pipe would hang the other in a collective
+            with open(tmp_path / f"{r}.out", "w") as out, open(tmp_path / f"{r}.err", "w") as err:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _RANK],
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        cwd=tmp_path,
+                        stdout=out,
+                        stderr=err,
+                    )
+                )
+        deadline = time.monotonic() + TIMEOUT
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:  # a rank still running here timed out or outlived a failure
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        out = (tmp_path / f"{r}.out").read_text()
+        err = (tmp_path / f"{r}.err").read_text()
         assert p.returncode == 0, err[-3000:]
         assert "all_gather_object: Numpy is not available" in out, out
         assert "trained: " in out, out
