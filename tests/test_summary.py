@@ -1,5 +1,5 @@
 """The plan summary (proofs/summary.md): its numbers against the plan it reads and against
-`ns_flops` counted independently, its table, its JSON, its errors."""
+Newton-Schulz FLOPs counted by hand, its table, its JSON, its errors."""
 
 from __future__ import annotations
 
@@ -48,11 +48,29 @@ def models(draw):
     return named, sorted(set(vectors) | set(extra))
 
 
-def reference_ns(shape: tuple[int, ...], aspect: float) -> float:
-    """The NS FLOPs `orthogonalize` runs for a matrix of `shape` (trailing dims flattened), by
-    `ns_flops` with the method `auto` picks: independent of how the summary reads the plan."""
-    flat = (shape[0], math.prod(shape[1:]))
-    return ns_flops(flat, steps=5, method="auto", sym_discount=0.5, min_aspect=aspect)
+def reference_ns(
+    shape: tuple[int, ...], aspect: float = 1.5, steps: int = 5, sym: float = 0.5
+) -> float:
+    """The NS FLOPs `orthogonalize` runs for a matrix of `shape` (trailing dims flattened),
+    counted by hand from what each step multiplies (2 FLOPs per multiply-add; a product whose
+    result is symmetric costs `sym` of its GEMM), with the method `auto` picks: Gram when
+    long ≥ aspect·short and short ≥ 32. Short side n, long side m:
+
+    standard, every step: A = X·Xᵀ (sym·2n²m), A·A (sym·2n³), (bA + cA²)·X (2n²m).
+    Gram, restarting every second step, so in segments of two steps and, for odd `steps`, a
+    last one of one step: each segment R = X·Xᵀ (sym·2n²m) and its closing Q·X (2n²m); each
+    step P = aI + bR + cR² (the R² in it: sym·2n³); a segment's second step Q ← P·Q
+    (sym·2n³); its first, when a second follows, R ← P·(P·R) (2·sym·2n³). A two-step segment
+    is (2·sym + 2)·n²m + 10·sym·n³, a one-step one (2·sym + 2)·n²m + 2·sym·n³.
+
+    Nothing here reads the planner's count (`ns_flops`), so a miscount there fails the tests
+    that compare with this."""
+    n, m = sorted((shape[0], math.prod(shape[1:])))
+    per_segment = (2 * sym + 2) * n * n * m
+    if m >= aspect * n and n >= 32:
+        pairs, single = divmod(steps, 2)
+        return pairs * (per_segment + 10 * sym * n**3) + single * (per_segment + 2 * sym * n**3)
+    return steps * ((2 * sym + 2) * n * n * m + 2 * sym * n**3)
 
 
 def gpt2(layers: int = 12, d: int = 768) -> tuple[dict, list[str]]:
@@ -287,15 +305,63 @@ def test_plan_made_with_other_cost_options(options):
     named, ew = gpt2(layers=1)
     plan = partition(named, 4, elementwise=ew, **options)
     ref = {
-        n: ns_flops(
-            named[n],
-            steps=options.get("steps", 5),
-            sym_discount=options.get("sym_discount", 0.5),
+        n: reference_ns(
+            named[n], steps=options.get("steps", 5), sym=options.get("sym_discount", 0.5)
         )
         for n in named
         if n not in ew
     }
     assert plan_summary(plan).total_ns_flops == pytest.approx(math.fsum(ref.values()), rel=1e-12)
+
+
+# (shape, method, steps, sym_discount, FLOPs), n the short side and m the long one:
+# standard, 5 steps at sym 0.5: 5·(n²m + n³ + 2n²m) = 15n²m + 5n³;
+# Gram, 5 steps at sym 0.5, restarts (2, 4): two 2-step segments, 3n²m + 5n³ each, and a
+# 1-step one, 3n²m + n³: 9n²m + 11n³. Gram needs m ≥ 1.5·n and n ≥ 32 under "auto".
+HAND_COUNTS = [
+    # 15·32³ + 5·32³ = 20·32,768
+    ((32, 32), "auto", 5, 0.5, 655_360),
+    # 20·768³ = 20·452,984,832
+    ((768, 768), "auto", 5, 0.5, 9_059_696_640),
+    # short side 16 < 32: standard although 100 ≥ 1.5·16; 15·256·100 + 5·4,096
+    ((16, 100), "auto", 5, 0.5, 404_480),
+    # tall: n = 40, m = 100, Gram; 9·1,600·100 + 11·64,000 = 1,440,000 + 704,000
+    ((100, 40), "auto", 5, 0.5, 2_144_000),
+    # the same forced standard: 15·160,000 + 5·64,000 = 2,400,000 + 320,000
+    ((100, 40), "standard", 5, 0.5, 2_720_000),
+    # 9·1,024·64 + 11·32,768 = 589,824 + 360,448
+    ((32, 64), "auto", 5, 0.5, 950_272),
+    # 15·65,536 + 5·32,768 = 983,040 + 163,840
+    ((32, 64), "standard", 5, 0.5, 1_146_880),
+    # GPT-2's c_fc, n²m = 589,824·3,072 = 1,811,939,328, n³ = 452,984,832:
+    # 9·n²m + 11·n³ = 16,307,453,952 + 4,982,833,152
+    ((768, 3072), "auto", 5, 0.5, 21_290_287_104),
+    # 15·n²m + 5·n³ = 27,179,089,920 + 2,264,924,160
+    ((768, 3072), "standard", 5, 0.5, 29_444_014_080),
+    # a batch of three 32×32: 3·655,360
+    ((3, 32, 32), "auto", 5, 0.5, 1_966_080),
+    # a batch of two 32×64 (Gram): 2·950,272
+    ((2, 32, 64), "auto", 5, 0.5, 1_900_544),
+    # 3 steps, restart (2,): a 2-step and a 1-step segment, 6n²m + 6n³ = 6·65,536 + 6·32,768
+    ((32, 64), "gram", 3, 0.5, 589_824),
+    # 3 steps standard: 9n²m + 3n³ = 589,824 + 98,304
+    ((32, 64), "standard", 3, 0.5, 688_128),
+    # no symmetric discount, Gram: 3·4n²m + 2·10n³ + 2n³ = 12n²m + 22n³ = 786,432 + 720,896
+    ((32, 64), "gram", 5, 1.0, 1_507_328),
+    # no symmetric discount, standard: 5·(2n²m + 2n³ + 2n²m) = 20n²m + 10n³
+    ((32, 64), "standard", 5, 1.0, 1_638_400),
+]
+
+
+@pytest.mark.parametrize(("shape", "method", "steps", "sym", "flops"), HAND_COUNTS)
+def test_ns_flops_against_hand_counts(shape, method, steps, sym, flops):
+    """The planner's count (`ns_flops`, which `partition` stores and the summary reports)
+    against the products each iteration multiplies, counted by hand."""
+    assert ns_flops(shape, steps=steps, method=method, sym_discount=sym) == flops
+    if method == "auto" and len(shape) == 2:
+        assert reference_ns(shape, steps=steps, sym=sym) == flops
+        plan = partition({"w": shape}, 1)
+        assert plan_summary(plan).total_ns_flops == flops
 
 
 def test_measure_gemm_flops():
