@@ -12,25 +12,59 @@ import torch.nn.functional as F
 from dmuon_fn._coefficients import schedule
 
 D, FF = 32, 64
-# hyperparameters shared by the distributed and functional parity tests and their reference
-HP = dict(lr=0.01, momentum=0.95, wd=0.1, adamw_lr=1e-3, adamw_wd=0.01)
+# Hyperparameters shared by the parity tests and their reference. Every one differs from the
+# library's default, so an optimizer that ignored any of them (and used its default) fails the
+# parity tests; tests/test_tolerances.py measures each such effect against the tolerances.
+HP = dict(
+    lr=0.03,  # default 0.02
+    momentum=0.9,  # 0.95
+    nesterov=False,  # True
+    wd=0.2,  # 0.0
+    ns_steps=6,  # 5
+    adamw_lr=3e-3,  # 1e-3
+    adamw_betas=(0.8, 0.99),  # (0.9, 0.999)
+    adamw_eps=1e-4,  # 1e-8
+    adamw_wd=0.2,  # 0.01
+)
 
 
 def muon_fp32(model: nn.Module, **extra):
     """dmuon_fn.Muon with HP and fp32 standard Newton-Schulz (the reference's arithmetic)."""
     import dmuon_fn
 
-    return dmuon_fn.Muon(
-        model,
+    kw = dict(
         lr=HP["lr"],
         momentum=HP["momentum"],
+        nesterov=HP["nesterov"],
         weight_decay=HP["wd"],
+        ns_steps=HP["ns_steps"],
         adamw_lr=HP["adamw_lr"],
+        adamw_betas=HP["adamw_betas"],
+        adamw_eps=HP["adamw_eps"],
         adamw_weight_decay=HP["adamw_wd"],
         ns_method="standard",
         ns_dtype=torch.float32,
-        **extra,
     )
+    return dmuon_fn.Muon(model, **{**kw, **extra})
+
+
+def config_fp32(**extra):
+    """dmuon_fn.Config with HP and fp32 standard Newton-Schulz: the functional face of
+    `muon_fp32`."""
+    import dmuon_fn
+
+    kw = dict(
+        lr=HP["lr"],
+        momentum=HP["momentum"],
+        nesterov=HP["nesterov"],
+        weight_decay=HP["wd"],
+        adamw_lr=HP["adamw_lr"],
+        adamw_betas=HP["adamw_betas"],
+        adamw_eps=HP["adamw_eps"],
+        adamw_weight_decay=HP["adamw_wd"],
+        ns=dmuon_fn.NSConfig(steps=HP["ns_steps"], method="standard", dtype=torch.float32),
+    )
+    return dmuon_fn.Config(**{**kw, **extra})
 
 
 def meshes(world: int, hsdp: bool):
@@ -129,13 +163,25 @@ def is_proj(name: str, p: torch.Tensor) -> bool:
 
 
 def ns_fp32(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    X = u.float()
+    """Standard Newton-Schulz in fp32 (fp64 stays fp64), Polar Express rows."""
+    X = u.to(torch.promote_types(u.dtype, torch.float32))
     tall = X.shape[0] > X.shape[1]
-    X = (X.T if tall else X) / (X.norm() + 1e-7)
+    X = X.T if tall else X
+    X = X / X.abs().max().clamp_min(torch.finfo(X.dtype).tiny)  # the library's normalization:
+    X = X / (X.norm() + 1e-7)  # max-scaled, so NSConfig.eps = 1e-7 is relative to order one
     for a, b, c in schedule("polar_express", steps):
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
     return X.T if tall else X
+
+
+# What `reference` computes, one knob each, so tests/test_tolerances.py can measure how far a
+# wrong optimizer lands from the right one. The defaults are the library's math.
+RIGHT = dict(
+    lr_side=max,  # the Muon lr scale 0.2·sqrt(max(m, n)) uses the long side
+    decay_first=True,  # W·(1 − lr·wd) − lr·scale·O: decay the old weights, not the update
+    grad_scale=1.0,  # the gradient is the mean over data ranks (world: their sum)
+)
 
 
 def reference(
@@ -148,19 +194,30 @@ def reference(
     *,
     model: nn.Module | None = None,
     loss=None,
+    **wrong,
 ) -> dict:
     """Single-process plain PyTorch: mean loss over every rank's batch, Muon on `muon` names
-    (momentum, Nesterov, fp32 standard NS, 0.2·sqrt(max(m, n)) scale), AdamW on the rest; both
-    learning rates multiplied by schedule(step). `model` (default: make(name)) and
-    `loss(model, step, rank)` (default: the model on batch(name, step, rank)) for other
-    models."""
+    (momentum, Nesterov per hp, fp32 standard NS of hp["ns_steps"] steps, the lr scale of
+    hp["adjust_lr"]: 0.2·sqrt(max(m, n)) by default), AdamW (hp's betas, eps) on the rest;
+    both learning rates multiplied by schedule(step). `model` (default: make(name)) and
+    `loss(model, step, rank)` (default: the model on batch(name, step, rank)) for other models.
+    `wrong`: RIGHT's knobs changed, for measuring the effect of a fault."""
+    knobs = {**RIGHT, **wrong}
+    if set(knobs) != set(RIGHT):
+        raise ValueError(f"unknown knobs {sorted(set(knobs) - set(RIGHT))}")
     model = make(name) if model is None else model
     loss = loss or (lambda m, step, rank: m(batch(name, step, rank)))
     named = dict(model.named_parameters())
     others = [p for n, p in named.items() if n not in muon]
     adamw = torch.optim.AdamW(
-        others, lr=hp["adamw_lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=hp["adamw_wd"]
+        others,
+        lr=hp["adamw_lr"],
+        betas=hp.get("adamw_betas", (0.9, 0.999)),
+        eps=hp.get("adamw_eps", 1e-8),
+        weight_decay=hp["adamw_wd"],
     )
+    ns_steps = hp.get("ns_steps", 5)
+    nesterov = hp.get("nesterov", True)
     bufs = {n: torch.zeros_like(named[n]) for n in muon}
     for step in range(steps):
         lr = hp["lr"] * schedule(step)
@@ -169,44 +226,60 @@ def reference(
         model.zero_grad()
         (sum(loss(model, step, r) for r in range(world)) / world).backward()
         with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(knobs["grad_scale"])
             for n in muon:
                 p, g = named[n], named[n].grad
                 if g is None:  # not used this step: no update (AdamW skips it too)
                     continue
                 bufs[n] = hp["momentum"] * bufs[n] + g
-                u = g + hp["momentum"] * bufs[n]
-                scale = 0.2 * math.sqrt(max(p.shape))
-                p.mul_(1 - lr * hp["wd"]).sub_(lr * scale * ns_fp32(u))
+                u = g + hp["momentum"] * bufs[n] if nesterov else bufs[n]
+                m, k = p.shape
+                if hp.get("adjust_lr", "match_rms_adamw") == "original":
+                    scale = math.sqrt(max(1.0, m / k))
+                else:
+                    scale = 0.2 * math.sqrt(knobs["lr_side"](m, k))
+                O = ns_fp32(u, ns_steps)
+                if knobs["decay_first"]:
+                    p.mul_(1 - lr * hp["wd"]).sub_(lr * scale * O)
+                else:
+                    p.sub_(lr * scale * O).mul_(1 - lr * hp["wd"])
             adamw.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def full_params(model: nn.Module, st=None) -> dict[str, torch.Tensor]:
+def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, torch.Tensor]:
     """Every parameter's whole value on every rank, by module path (test-only: broadcasts over
     the world). The global rank of mesh coordinate (replica, shard[, tensor]) is row-major;
-    `st`: the model's dedicated state (default: its own)."""
+    `st`: the model's dedicated state (default: its own). `get(p)`: what to gather instead of
+    the parameter's value (its gradient, a state tensor), held where the value is; `cast`: in
+    the model's dtype (else as held: fp32 masters stay fp32)."""
     st = model._dmuon_state if st is None else st
+    get = get or (lambda p: p)
     out = {}
     T = 1 if st.tensor is None else st.tensor.size
     for n, p in model.named_parameters():
         n = n.replace("_orig_mod.", "")  # (a block compiled alone)
         e = st.entry(p)
         if e is None:
-            out[n] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach()
+            x = get(p)
+            out[n] = x.full_tensor().detach().clone() if hasattr(x, "full_tensor") else x.detach()
             continue
         slot = e.owner_replica * st.shard_size + e.owner_shard
         here = st.is_global_owner(e)
+        dtype = e.dtype if cast else torch.float32
         if e.tp is None or not e.tp.sharded:
-            buf = e.param.detach().clone() if here else torch.empty(e.full_shape)
+            buf = get(e.param).detach().float().clone() if here else torch.empty(e.full_shape)
             dist.broadcast(buf, src=slot * T)
-            out[n] = buf.to(e.dtype)
+            out[n] = buf.to(dtype)
             continue
         parts = []
         for t in range(T):
             shape = e.tp.part_shape(t)
             mine = here and st.tensor.rank == t
-            buf = e.param.detach().clone() if mine else torch.empty(shape)
+            buf = get(e.param).detach().float().clone() if mine else torch.empty(shape)
             dist.broadcast(buf, src=slot * T + t)
             parts.append(buf)
-        out[n] = torch.cat(parts, dim=e.tp.dim).to(e.dtype)
+        out[n] = torch.cat(parts, dim=e.tp.dim).to(dtype)
     return out

@@ -28,7 +28,7 @@ from dmuon_fn._checkpoint import HYPER, _kinds
 from dmuon_fn._dispatch import cpu_dispatch
 from dmuon_fn._update import state_items
 from tests._dist import run_ranks
-from tests._models import HP, TinyMLP, batch, is_proj, make, meshes, muon_fp32
+from tests._models import HP, TinyMLP, batch, config_fp32, is_proj, make, meshes, muon_fp32
 
 N, M = 2, 2  # steps before the checkpoint, steps after it
 STATE_KEYS = ("momentum_buffer", "step", "exp_avg", "exp_avg_sq")
@@ -49,14 +49,7 @@ FN = {
 }
 # the same model and plan in both faces: each loads the other's checkpoint
 CROSS = {"mlp": "fn_mlp_proj", "tied_pure": "fn_tied"}
-CFG = dmuon.Config(
-    lr=HP["lr"],
-    adamw_lr=HP["adamw_lr"],
-    momentum=HP["momentum"],
-    weight_decay=HP["wd"],
-    adamw_weight_decay=HP["adamw_wd"],
-    ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-)
+CFG = config_fp32()
 
 
 def _obj_build(world, hsdp, name, dtype, state_dtype, pure):
@@ -240,7 +233,14 @@ def _load_all(rank, world, hsdp, root):
     return {name: _load_only(rank, world, hsdp, root, name) for name in (*OBJ, *FN)}
 
 
-def _close(got, want, what, tol=1e-5):
+# Two faces (or two worlds) resuming the same state differ by fp32 rounding amplified by
+# Newton-Schulz: measured ≤ 1.2e-5 relative (max-norm) after two steps with tests._models.HP.
+# A wrong optimizer moves two steps ≥ 1e-3 (tests/test_tolerances.py, "test_checkpoint");
+# a wrong load is caught exactly by `_equal` before.
+CLOSE = 1e-4
+
+
+def _close(got, want, what, tol=CLOSE):
     """As `_equal`, tensors within `tol` relative (max-norm) error."""
     (g, _), (w, _) = got, want
     assert g.keys() == w.keys(), what
@@ -461,7 +461,11 @@ def test_errors_name_the_mismatch(tmp_path):
     dmuon.save_state(tmp_path / "lr", proj, lr=torch.tensor(0.125), adamw_weight_decay=0.5)
     cfg = dmuon.load_state(tmp_path / "lr", dmuon.init(model, proj.plan, dmuon.Config())).config
     assert (cfg.lr, cfg.adamw_lr, cfg.adamw_weight_decay) == (0.125, HP["adamw_lr"], 0.5)
-    assert (cfg.momentum, cfg.weight_decay, cfg.nesterov) == (HP["momentum"], HP["wd"], True)
+    assert (cfg.momentum, cfg.weight_decay, cfg.nesterov) == (
+        HP["momentum"],
+        HP["wd"],
+        HP["nesterov"],
+    )
     assert cfg.adamw_betas == CFG.adamw_betas and cfg.adamw_eps == CFG.adamw_eps
     loaded = dmuon.load_state(tmp_path / "lr", proj)
     assert loaded.config is not proj.config and loaded.config.lr == 0.125
@@ -479,6 +483,7 @@ def _to_world_1(rank, world, root4):
     return full, fn
 
 
+@pytest.mark.slow
 def test_state_dtype_follows_the_config(ckpt4):
     full, fn = run_ranks(_to_world_1, 1, str(ckpt4[0]))[0]
     for got, want in ((full, ckpt4[1][0]["mlp"][0][0]), (fn, ckpt4[1][0]["fn_mlp"][0][0])):

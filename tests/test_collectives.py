@@ -52,7 +52,6 @@ def _pair(rank, world):
     return out
 
 
-@pytest.mark.slow
 def test_pair_reduce_equals_gloo_reduce_bitwise_and_books_as_one():
     for rank, res in enumerate(run_ranks(_pair, 2)):
         for dtype, r in res.items():

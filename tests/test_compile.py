@@ -3,6 +3,7 @@ recompiles as lr / weight decay / step count change (they are 0-d tensors)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
@@ -11,6 +12,7 @@ from dmuon_fn import adamw_init, adamw_update, muon_init, muon_update, orthogona
 from tests._tolerance import NS_LOW_PRECISION, rel_err
 
 
+@pytest.mark.slow
 def test_orthogonalize_compiles_with_inductor():
     torch._dynamo.reset()
     counters.clear()

@@ -36,6 +36,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
+from dmuon_fn._gather import _Z3Saver as Z3
 from tests._dist import run_ranks
 from tests._models import Block, D, full_params, is_proj, meshes, muon_fp32
 
@@ -249,9 +250,12 @@ def _raise_once(rank, world, fail):
     fully_shard(model, mesh=mesh)
     opt = muon_fp32(model)
     q = model.blocks[1].q_proj
+    raised = []  # per raise: whether dmuon_fn's Z3 saved-tensor hooks were pushed then
     if fail:  # runs after dmuon's pre-hook has gathered the weight and entered Z3's hooks
 
         def boom(mod, args):
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            raised.append(top is not None and isinstance(getattr(top[0], "__self__", None), Z3))
             raise _Boom
 
         handle = q.register_forward_pre_hook(boom)
@@ -269,16 +273,23 @@ def _raise_once(rank, world, fail):
         model(x).backward()
         opt.step()
     no_hooks_left = torch._C._autograd._top_saved_tensors_default_hooks(True) is None
-    return dict(params=full_params(model), placeholders=placeholders, no_hooks_left=no_hooks_left)
+    return dict(
+        params=full_params(model),
+        placeholders=placeholders,
+        no_hooks_left=no_hooks_left,
+        raised=raised,
+    )
 
 
 def _raise_once_pair(rank, world):
     return _raise_once(rank, world, False), _raise_once(rank, world, True)
 
 
-@pytest.mark.slow
 def test_a_forward_that_raises_leaves_no_trace():
     for clean, failed in run_ranks(_raise_once_pair, 2):
+        # the failed run's forward did raise, once, with dmuon_fn's Z3 hooks pushed and never
+        # popped: there was a trace to leave, so the checks below test its removal
+        assert failed["raised"] == [True] and clean["raised"] == [], failed["raised"]
         assert failed["no_hooks_left"] and clean["no_hooks_left"]
         assert failed["placeholders"] and clean["placeholders"]
         for n, p in clean["params"].items():

@@ -134,6 +134,5 @@ def test_parity_world_4_and_hsdp_2x2():
     _check(4, SCENARIOS_4, run_ranks(_run_all, 4, SCENARIOS_4))
 
 
-@pytest.mark.slow
 def test_parity_world_2():
     _check(2, SCENARIOS_2, run_ranks(_run_all, 2, SCENARIOS_2))

@@ -16,16 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import HP, batch, make, meshes, muon_fp32, reference
+from tests._models import HP, batch, config_fp32, make, meshes, muon_fp32, reference
 
 STEPS = 5
-TOL = 1e-4
-CFG = dmuon.Config(
-    momentum=HP["momentum"],
-    weight_decay=HP["wd"],
-    adamw_weight_decay=HP["adamw_wd"],
-    ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-)
+TOL = 5e-5
+CFG = config_fp32()
 
 
 def _functional(rank, world, name, hsdp, compiled):

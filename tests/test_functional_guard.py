@@ -14,15 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import HP, batch, make, meshes
-
-CFG = dict(
-    momentum=HP["momentum"],
-    weight_decay=HP["wd"],
-    adamw_weight_decay=HP["adamw_wd"],
-    ns=dmuon.NSConfig(method="standard", dtype=torch.float32),
-)
-
+from tests._models import HP, batch, config_fp32, make, meshes
 
 FROZEN = "layers.0.up_proj.weight"
 
@@ -32,7 +24,7 @@ def _setup(rank, world, hsdp, frozen=False, **cfg):
     model = make("mlp")
     model.get_parameter(FROZEN).requires_grad_(not frozen)
     fp = dmuon.plan(model, mesh, replicate_mesh=rep)
-    state = dmuon.init(model, fp, dmuon.Config(**CFG, **cfg))
+    state = dmuon.init(model, fp, config_fp32(**cfg))
 
     def loss_fn(params, x):
         return torch.func.functional_call(model, params, (x,))
@@ -53,7 +45,13 @@ def _norm(rank, world, hsdp, frozen):
 
 
 @pytest.mark.parametrize(
-    "world,hsdp,frozen", [(1, False, False), (2, False, False), (2, False, True), (4, True, False)]
+    "world,hsdp,frozen",
+    [
+        (1, False, False),
+        (2, False, False),
+        (2, False, True),
+        pytest.param(4, True, False, marks=pytest.mark.slow),
+    ],
 )
 def test_global_grad_norm_equals_torch_on_the_unsharded_model(world, hsdp, frozen):
     """Over the trainable parameters: a frozen one is left out, as torch leaves out a
@@ -78,7 +76,7 @@ def _scaled_reference(rank, world, hsdp):
     mesh, rep = meshes(world, hsdp)
     model = make("mlp")
     fp = dmuon.plan(model, mesh, replicate_mesh=rep)
-    state = dmuon.init(model, fp, dmuon.Config(**CFG))
+    state = dmuon.init(model, fp, config_fp32())
 
     def scaled(params, x):
         return torch.func.functional_call(model, params, (x,)) * coef
@@ -89,7 +87,7 @@ def _scaled_reference(rank, world, hsdp):
     return max(((pa[n] - pb[n]).norm() / pb[n].norm()).item() for n in pa)
 
 
-@pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)])
+@pytest.mark.parametrize("world,hsdp", [(2, False), pytest.param(4, True, marks=pytest.mark.slow)])
 def test_clipping_scales_every_gradient_by_max_norm_over_the_global_norm(world, hsdp):
     assert max(run_ranks(_scaled_reference, world, hsdp)) < 1e-5
 
@@ -114,7 +112,9 @@ def _nonfinite(rank, world, hsdp):
     return same, changed or not owns, norm.isnan().item(), cnt.frame_count
 
 
-@pytest.mark.parametrize("world,hsdp", [(1, False), (2, False), (4, True)])
+@pytest.mark.parametrize(
+    "world,hsdp", [(1, False), (2, False), pytest.param(4, True, marks=pytest.mark.slow)]
+)
 def test_nonfinite_gradient_skips_the_compiled_step_everywhere(world, hsdp):
     for same, changed, nan, frames in run_ranks(_nonfinite, world, hsdp):
         assert same and changed and nan and frames == 1

@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
+from tests import _oracle as oracle
 from tests._dist import run_ranks
 from tests._models import HP, batch, make, meshes, muon_fp32
 from tests.test_functional import CFG, STEPS
@@ -54,14 +55,17 @@ def _functional(rank, world, hsdp, z3):
     counters.clear()
     cnt = CompileCounterWithBackend("aot_eager")
     step_fn = torch.compile(train_step, backend=cnt, fullgraph=True)
-    losses, first = [], None
+    losses, first, steps = [], None, []
     for step in range(STEPS):
         lr, alr = (torch.tensor(HP[k] / (step + 1)) for k in ("lr", "adamw_lr"))
-        loss, grads, state = step_fn(state, batch(NAME, step, rank), lr, alr)
+        old = state
+        loss, grads, state = step_fn(old, batch(NAME, step, rank), lr, alr)
+        steps.append(oracle.check(*_seen(old, grads, state, fp), lr_factor=1 / (step + 1)))
         losses.append(loss.float().item())
         if step == 0:
             first = _gathered(grads, fp)
     return dict(
+        steps=steps,
         losses=losses,
         grads=first,
         params=_gathered(state.params, fp),
@@ -78,6 +82,24 @@ def _functional(rank, world, hsdp, z3):
         frames=cnt.frame_count,
         breaks=sum(counters["graph_break"].values()),
     )
+
+
+def _seen(old, grads, new, fp):
+    """What this rank's step saw and made for the parameters it owns, for the step oracle."""
+    before, after, kinds = {}, {}, {}
+    for n in fp.names:
+        if not fp.is_global_owner(n):
+            continue
+        s = old.opt[n]
+        kinds[n] = "muon" if n in fp.muon else "adamw"
+        state = (
+            dict(buf=s.momentum)
+            if kinds[n] == "muon"
+            else dict(m=s.exp_avg, v=s.exp_avg_sq, t=s.step)
+        )
+        before[n] = dict(W=old.params[n], g=grads[n], **state)
+        after[n] = new.params[n]
+    return before, after, kinds
 
 
 def _gathered(tensors, fp):
@@ -139,6 +161,8 @@ def _rel(a, b):
 
 
 def _check(results, hsdp):
+    for mode in ("z2", "z3"):
+        oracle.assert_steps([r[mode]["steps"] for r in results], mode)
     for r in results:
         obj = r["obj"]
         for mode in ("z2", "z3"):

@@ -76,7 +76,6 @@ def _edit_between(rank, world):
     return dict(owned=owned, error=None)
 
 
-@pytest.mark.slow
 def test_a_parameter_changed_after_the_step_is_an_error_on_its_owner():
     for res in run_ranks(_edit_between, 2):
         assert res["owned"], "each rank owns some parameter in this plan"
@@ -104,7 +103,6 @@ def _refused(rank, world):
     return out
 
 
-@pytest.mark.slow
 def test_hsdp_and_prefetch_0_are_refused_with_what_to_do():
     for res in run_ranks(_refused, 4):
         assert "1-D mesh" in res["hsdp"] and "replicate_async" in res["hsdp"]

@@ -135,17 +135,27 @@ def _all_depths(rank, world, hsdp, z3, compile_blocks, depths):
 
 
 def _reference(world):
-    model = Chain()
-    muon = {n for n, p in model.named_parameters() if p.ndim >= 2}
-    return reference(
-        "chain",
-        world,
-        len(ORDERS),
-        muon,
-        HP,
-        model=model,
-        loss=lambda m, step, rank: m(_x(step, rank), ORDERS[step]),
-    )
+    return _reference_of(world)(HP)
+
+
+def _reference_of(world):
+    """(hp, **knobs) -> tests._models.reference of this test's model, orders and batches."""
+
+    def ref(hp, **wrong):
+        model = Chain()
+        muon = {n for n, p in model.named_parameters() if p.ndim >= 2}
+        return reference(
+            "chain",
+            world,
+            len(ORDERS),
+            muon,
+            hp,
+            model=model,
+            loss=lambda m, step, rank: m(_x(step, rank), ORDERS[step]),
+            **wrong,
+        )
+
+    return ref
 
 
 CASES = [
@@ -197,7 +207,6 @@ def _accumulate(rank, world, micro, sync_each):
     return _params(model), bytes_, calls
 
 
-@pytest.mark.slow
 def test_accumulation_without_traffic_equals_one_big_batch():
     micro, world = 4, 2
     deferred = run_ranks(_accumulate, world, micro, False)
@@ -259,11 +268,34 @@ def _peak(rank, world, depth):
     return mem["gathered"], unit_bytes
 
 
+def _z3_peaks(rank: int, world: int, depth: int):
+    """tests/test_prefetch.py's chain under Z3 at prefetch `depth`, once its order is recorded:
+    the peak bytes of gathered parameters in one forward and, separately, in its backward, and
+    the largest unit's bytes. The forward's peak comes from its prefetched gathers, the
+    backward's from its prefetched re-gathers: each direction's prefetch is seen on its own."""
+    model, opt, _ = _chain(world, False, True, depth)
+    model(_x(0, rank), ORDERS[0]).backward()
+    opt.step()  # the recorded order exists from here
+    opt.zero_grad()
+    loss, forward = peak_bytes(lambda: model(_x(1, rank), ORDERS[0]))
+    _, backward = peak_bytes(loss.backward)
+    units = model._dmuon_state.scheduler.units
+    unit = max(sum(g.numel * 4 for g in u.groups) for u in units)
+    return forward["gathered"], backward["gathered"], unit
+
+
 @pytest.mark.slow
 def test_z3_holds_at_most_depth_plus_one_units():
-    for depth in (0, 1):
+    """At most the running unit and `depth` prefetched ones are held at once, over a step and
+    in its forward and its backward each, and the prefetch really happens: every peak exceeds
+    `depth` units (ORDERS[0] runs all three blocks, of equal units, so depth 2 holds all three).
+    Without prefetch, in either direction, that direction peaks at one unit."""
+    for depth in (0, 1, 2):
         for gathered, unit in run_ranks(_peak, 2, depth):
-            assert 0 < gathered <= (depth + 1) * unit, (depth, gathered, unit)
+            assert depth * unit < gathered <= (depth + 1) * unit, (depth, gathered, unit)
+        for forward, backward, unit in run_ranks(_z3_peaks, 2, depth):
+            for peak in (forward, backward):
+                assert depth * unit < peak <= (depth + 1) * unit, (depth, forward, backward, unit)
 
 
 def _block_graph(rank, world):

@@ -1,0 +1,148 @@
+"""The step oracle: one optimizer step checked in float64 against the gradient it consumed.
+
+Mixed-precision runs cannot be compared with an fp32 reference run closely: the bf16 forward
+and backward round the gradients by ~0.5%, and Newton-Schulz maps that noise in a gradient's
+small singular directions to order one, so updates land ~10% apart after a few steps on the test
+models, as far as many wrong optimizers would. The oracle takes what the step itself saw (each
+parameter's fp32 master, the reduced gradient, the optimizer state, before the step) and the
+master after it, and recomputes the step in float64 with tests._models.HP: the library's fp32
+arithmetic lands within ~1e-4 of it (relative to the update), while every wrong optimizer in
+`VARIANTS` moves the update by 5e-3 or more. `check` measures both on the test's own data.
+
+`before[name]`: dict(W=master, g=gradient, buf=momentum) for Muon, dict(W, g, m=exp_avg,
+v=exp_avg_sq, t=step count) for AdamW, full tensors; `after[name]`: the master after the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import dmuon_fn as dmuon
+from dmuon_fn._coefficients import schedule
+from tests._models import HP, full_params
+
+# wrong optimizers, each HP with one thing changed (or a knob of `step64`)
+VARIANTS: dict[str, dict] = {
+    "Muon lr ignored": dict(lr=0.02),
+    "Muon weight decay ignored": dict(wd=0.0),
+    "weight decay after the update": dict(decay_first=False),
+    "momentum ignored": dict(momentum=0.95),
+    "Nesterov ignored": dict(nesterov=True),
+    "ns_steps ignored": dict(ns_steps=5),
+    "lr scale from the short side": dict(lr_side=min),
+    "AdamW lr ignored": dict(adamw_lr=1e-3),
+    "AdamW weight decay ignored": dict(adamw_wd=0.01),
+    "AdamW betas ignored": dict(adamw_betas=(0.9, 0.999)),
+    "AdamW eps ignored": dict(adamw_eps=1e-8),
+}
+
+
+def ns64(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """Standard Newton-Schulz in float64 with the library's normalization (DESIGN.md)."""
+    X = u.double().reshape(u.shape[0], -1)
+    tall = X.shape[0] > X.shape[1]
+    X = X.T if tall else X
+    X = X / X.abs().max().clamp_min(1e-300)
+    X = X / (X.norm() + 1e-7)
+    for a, b, c in schedule("polar_express", steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return (X.T if tall else X).reshape(u.shape)
+
+
+def step64(kind: str, s: dict, hp: dict, lr_factor: float = 1.0) -> torch.Tensor:
+    """The master after one step of `kind` ("muon"/"adamw") from state `s`, in float64."""
+    W, g = s["W"].double(), s["g"].double()
+    if kind == "muon":
+        lr, wd, mu = hp["lr"] * lr_factor, hp["wd"], hp["momentum"]
+        buf = mu * s["buf"].double() + g
+        u = g + mu * buf if hp["nesterov"] else buf
+        m, n = W.shape[0], math.prod(W.shape[1:])
+        scale = 0.2 * math.sqrt(hp.get("lr_side", max)(m, n))
+        O = ns64(u, hp["ns_steps"])
+        if hp.get("decay_first", True):
+            return W * (1 - lr * wd) - lr * scale * O
+        return (W - lr * scale * O) * (1 - lr * wd)
+    lr, wd = hp["adamw_lr"] * lr_factor, hp["adamw_wd"]
+    (b1, b2), eps = hp["adamw_betas"], hp["adamw_eps"]
+    t = float(s["t"]) + 1
+    m = b1 * s["m"].double() + (1 - b1) * g
+    v = b2 * s["v"].double() + (1 - b2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - b2**t) + eps
+    return W * (1 - lr * wd) - lr / (1 - b1**t) * m / denom
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def check(
+    before: dict[str, dict],
+    after: dict[str, torch.Tensor],
+    kinds: dict[str, str],
+    lr_factor: float = 1.0,
+) -> tuple[float, dict[str, float]]:
+    """(the largest error of the step's updates against the oracle's, each variant's effect):
+    both relative to the oracle's update W_after − W_before, max over parameters."""
+    err, effect = 0.0, dict.fromkeys(VARIANTS, 0.0)
+    for n, s in before.items():
+        W0 = s["W"].double()
+        want = step64(kinds[n], s, HP, lr_factor) - W0
+        err = max(err, _rel(after[n].double() - W0, want))
+        for k, change in VARIANTS.items():
+            wrong = step64(kinds[n], s, {**HP, **change}, lr_factor) - W0
+            effect[k] = max(effect[k], _rel(wrong, want))
+    return err, effect
+
+
+# The library's fp32 step against the float64 oracle on the same inputs, relative to the update:
+# measured ≤ 1.4e-4 (fp32 Newton-Schulz rounding on the test models' gradients). The smallest
+# variant's effect seen is 6e-3 (weight decay after the update); the rest are 1e-2 and more.
+TOL = 5e-4
+
+
+def assert_steps(per_rank: list[list[tuple[float, dict[str, float]]]], what: object) -> None:
+    """Every step of every rank (`check`'s results) within TOL of the oracle, and every variant
+    at least 10·TOL away from it on some step of some rank (the test can see it)."""
+    errs = [e for steps in per_rank for e, _ in steps]
+    assert max(errs) < TOL, (what, "step errors", errs)
+    effect = {k: max(eff[k] for steps in per_rank for _, eff in steps) for k in VARIANTS}
+    unseen = {k: v for k, v in effect.items() if v < 10 * TOL}
+    assert not unseen, (what, "wrong optimizers the oracle would not see", unseen)
+
+
+def kinds(model) -> dict[str, str]:
+    """Each parameter's optimizer ("muon" or "adamw") in a model prepared by dedicate_params."""
+    st = model._dmuon_state
+    return {
+        n: "muon" if (e := st.entry(p)) is not None and e.is_matrix else "adamw"
+        for n, p in model.named_parameters()
+    }
+
+
+def seen(model, opt) -> dict[str, dict]:
+    """`check`'s `before` for the object API: every parameter's master, gradient and optimizer
+    state, whole on every rank (collective; after backward, before the step: it waits for the
+    gradients). Dedicated AdamW parameters need their state on every rank: not supported."""
+    dmuon.wait_gradients(model)
+    st, kind = model._dmuon_state, kinds(model)
+    state = {id(p): opt.state[p] for p in model.parameters()}
+    # (a field the parameter's optimizer lacks gathers the value instead: unused)
+    get = {
+        "W": lambda p: p,
+        "g": lambda p: p.grad,
+        "buf": lambda p: state[id(p)].get("momentum_buffer", p),
+        "m": lambda p: state[id(p)].get("exp_avg", p),
+        "v": lambda p: state[id(p)].get("exp_avg_sq", p),
+    }
+    fields = {"muon": ("W", "g", "buf"), "adamw": ("W", "g", "m", "v")}
+    need = {f for k in set(kind.values()) for f in fields[k]}
+    full = {f: full_params(model, st, get[f], cast=False) if f in need else {} for f in get}
+    out = {}
+    for n, p in model.named_parameters():
+        out[n] = {f: full[f][n] for f in fields[kind[n]]}
+        if kind[n] == "adamw":
+            out[n]["t"] = float(state[id(p)]["step"])
+    return out

@@ -1,0 +1,334 @@
+"""Known faults the test suite must catch: each one a wrong optimizer, made by one text
+replacement in a copy of the tree (`tests/faults/run.py` applies it and runs `tests`).
+
+`old` must occur exactly once in `path` (tests/test_fault_catalog.py checks it against the
+current tree, so a change to the library that moves a fault's site fails there first and the
+entry is rewritten with the change). `tests`: the pytest node ids expected to fail; the runner
+counts the fault caught only if pytest reports failing tests (exit code 1), not if the copy
+does not import or collect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+T = "tests/"
+UPDATE = T + "test_update.py"
+CONFORM = T + "test_conformance.py"
+DIST2 = T + "test_distributed.py::test_parity_world_2"
+DIST4 = T + "test_distributed.py::test_parity_world_4_and_hsdp_2x2"
+FN1 = T + "test_functional.py::test_world_1"
+ORTHO = T + "test_orthogonalize.py"
+TRAIN = T + "test_training.py"
+CKPT = T + "test_checkpoint.py"
+GUARD = T + "test_functional_guard.py"
+PREFETCH_DEPTH = T + "test_prefetch.py::test_z3_holds_at_most_depth_plus_one_units"
+COEFF = T + "test_coefficients.py"
+
+# Muon's apply, from the stride check to the end of the function (both of its paths)
+_APPLY = (
+    "    if O.stride() != param.stride():  # (a tall matrix's O is transposed) keep param's layout"
+    """
+        return (param * decay).sub_(O.mul_(step))
+    # O is a fresh temporary in param's layout: the new parameter is written into it.
+    new = O.mul_(-step)
+    if isinstance(decay, Tensor):
+        return new.addcmul_(param, decay)
+    return new.add_(param, alpha=decay)"""
+)
+
+_OBJ_MUON_ARGS = """                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                adjust_lr=self.adjust_lr,
+                ns=self.ns,"""
+
+FAULTS: tuple[Fault, ...] = (
+    Fault(
+        "AdamW weight decay dropped",
+        "dmuon_fn/_update.py",
+        "new = param * (1 - lr * weight_decay) - (lr / bc1) * (m / denom)",
+        "new = param - (lr / bc1) * (m / denom)",
+        (UPDATE, CONFORM),
+    ),
+    Fault(
+        "Muon weight decay applied after the update (to W - lr·s·O)",
+        "dmuon_fn/_update.py",
+        _APPLY,
+        "    return (param - O * step) * decay",
+        (UPDATE, CONFORM),
+    ),
+    Fault(
+        "Muon momentum ignored (the default 0.95 used)",
+        "dmuon_fn/_optim.py",
+        _OBJ_MUON_ARGS,
+        _OBJ_MUON_ARGS.replace('group["momentum"]', "0.95"),
+        (CONFORM, DIST2),
+    ),
+    Fault(
+        "functional momentum ignored (the default 0.95 used)",
+        "dmuon_fn/_functional.py",
+        "momentum=cfg.momentum,",
+        "momentum=0.95,",
+        (CONFORM, FN1),
+    ),
+    Fault(
+        "Nesterov ignored (always on)",
+        "dmuon_fn/_optim.py",
+        _OBJ_MUON_ARGS,
+        _OBJ_MUON_ARGS.replace('group["nesterov"]', "True"),
+        (CONFORM, DIST2),
+    ),
+    Fault(
+        "functional Nesterov ignored (always on)",
+        "dmuon_fn/_functional.py",
+        "nesterov=cfg.nesterov,",
+        "nesterov=True,",
+        (CONFORM, FN1),
+    ),
+    Fault(
+        "AdamW betas ignored (the defaults used)",
+        "dmuon_fn/_optim.py",
+        'betas=group["betas"],',
+        "betas=(0.9, 0.999),",
+        (CONFORM, DIST2),
+    ),
+    Fault(
+        "AdamW eps ignored (the default used)",
+        "dmuon_fn/_optim.py",
+        'eps=group["eps"],',
+        "eps=1e-8,",
+        (CONFORM, DIST2),
+    ),
+    Fault(
+        "functional AdamW betas and eps ignored",
+        "dmuon_fn/_functional.py",
+        "betas=cfg.adamw_betas,\n                eps=cfg.adamw_eps,",
+        "betas=(0.9, 0.999),\n                eps=1e-8,",
+        (CONFORM, FN1),
+    ),
+    Fault(
+        "Muon ns_steps ignored (the default 5 used)",
+        "dmuon_fn/_optim.py",
+        "steps=ns_steps,",
+        "steps=5,",
+        (CONFORM, DIST2),
+    ),
+    Fault(
+        "lr scale from the short side",
+        "dmuon_fn/_update.py",
+        "return 0.2 * math.sqrt(max(m, n))",
+        "return 0.2 * math.sqrt(min(m, n))",
+        (UPDATE, CONFORM),
+    ),
+    Fault(
+        "one Newton-Schulz step fewer",
+        "dmuon_fn/_orthogonalize.py",
+        "rows = schedule(cfg.coefficients, cfg.steps)",
+        "rows = schedule(cfg.coefficients, cfg.steps)[:-1]",
+        (UPDATE, ORTHO),
+    ),
+    Fault(
+        "a Gram restart skipped",
+        "dmuon_fn/_iteration.py",
+        "        if i in restarts:",
+        "        if i in restarts and i != min(restarts):",
+        (ORTHO,),
+    ),
+    Fault(
+        "Polar Express coefficients of another preset",
+        "dmuon_fn/_coefficients.py",
+        '"polar_express": POLAR_EXPRESS,',
+        '"polar_express": YOU,',
+        (COEFF,),
+    ),
+    Fault(
+        "dedicated gradients summed instead of averaged over data ranks",
+        "dmuon_fn/_schedule.py",
+        "grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)",
+        "grad = g.part(r.flat, i).to(e.param.dtype)",
+        (DIST2,),
+    ),
+    Fault(
+        "functional gradients summed instead of averaged",
+        "dmuon_fn/_functional_z3.py",
+        "        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),\n    )\n    return _by_name",
+        "        1.0,\n    )\n    return _by_name",
+        (T + "test_functional.py::test_world_2",),
+    ),
+    Fault(
+        "one matrix's update made on a non-owner, and lost",
+        "dmuon_fn/_optim.py",
+        "return e is None or self.st.is_global_owner(e)",
+        "return e is None or self.st.is_global_owner(e) != (self._index[id(e)] == 0)",
+        (DIST2,),
+    ),
+    Fault(
+        "HSDP publish lost on the receiving replica",
+        "dmuon_fn/_state.py",
+        "buf = p.detach().to(e.dtype)",
+        "buf = p.detach().to(e.dtype, copy=True)",
+        (DIST4,),
+    ),
+    Fault(
+        "functional HSDP publish not taken by the other replica",
+        "dmuon_fn/_functional.py",
+        "params.update((n, o) for n, o in zip(mine, outs, strict=True)"
+        " if not p_.is_global_owner(n))",
+        "params.update(())",
+        (T + "test_functional.py::test_world_4_and_hsdp_2x2",),
+    ),
+    Fault(
+        "non-finite skip leaves AdamW's step count updated",
+        "dmuon_fn/_optim.py",
+        '_write(state["step"], a.step, ok)',
+        '_write(state["step"], a.step, None)',
+        (TRAIN + "::test_nonfinite_gradient_skips_the_step_on_every_rank",),
+    ),
+    Fault(
+        "functional non-finite skip keeps the new optimizer state",
+        "dmuon_fn/_functional.py",
+        "    state = type(new[1])(*(torch.where(ok, a, b)"
+        " for a, b in zip(new[1], old[1], strict=True)))",
+        "    state = new[1]",
+        (GUARD + "::test_nonfinite_gradient_skips_the_compiled_step_everywhere",),
+    ),
+    Fault(
+        "checkpoint load drops AdamW's step count",
+        "dmuon_fn/_checkpoint.py",
+        'sd[f"optim.{names[id(p)]}.{k}"] = v if v.ndim == 0 else _part(e, v)',
+        'sd[f"optim.{names[id(p)]}.{k}"] = (v.clone() if load else v)'
+        " if v.ndim == 0 else _part(e, v)",
+        (CKPT,),
+    ),
+    Fault(
+        "functional checkpoint load drops AdamW's step count",
+        "dmuon_fn/_checkpoint.py",
+        'sd.update({f"optim.{n}.{k}": v for k, v in state_items(state.opt[n]).items()})',
+        'sd.update({f"optim.{n}.{k}": v.clone() if load and k == "step" else v'
+        " for k, v in state_items(state.opt[n]).items()})",
+        (CKPT,),
+    ),
+    Fault(
+        "a plan that gives one matrix two owners",
+        "dmuon_fn/_entries.py",
+        "return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica",
+        "return (self.shard_rank == e.owner_shard or 'gate_proj' in e.name)"
+        " and self.replica_rank == e.owner_replica",
+        (DIST2,),
+    ),
+    Fault(
+        "max_grad_norm ignored by the object API",
+        "dmuon_fn/_optim.py",
+        "if self.max_grad_norm is not None and not self._clipped:",
+        "if False:",
+        (TRAIN + "::test_max_grad_norm_in_step_equals_explicit_clip",),
+    ),
+    Fault(
+        "gradient accumulation keeps only the last micro-batch",
+        "dmuon_fn/_schedule.py",
+        "e.param.grad += grad",
+        "e.param.grad = grad",
+        (TRAIN + "::test_accumulation_equals_one_big_batch",),
+    ),
+    Fault(
+        "an lr schedule ignored by the object API (the initial lr used)",
+        "dmuon_fn/_optim.py",
+        'torch.tensor(g["lr"], dtype=torch.float32),',
+        'torch.tensor(g.get("initial_lr", g["lr"]), dtype=torch.float32),',
+        (FN1,),
+    ),
+    Fault(
+        "Z3 prefetch depth ignored (nothing gathered ahead)",
+        "dmuon_fn/_schedule.py",
+        "        self.topo, self.units, self.depth = topo, list(units), depth",
+        "        self.topo, self.units, self.depth = topo, list(units), 0",
+        (PREFETCH_DEPTH,),
+    ),
+    Fault(
+        "Z3's backward re-gathers not prefetched",
+        "dmuon_fn/_schedule.py",
+        "                for j in range(self.bpos, max(self.bpos - self.depth, -1), -1):",
+        "                for j in range(self.bpos, max(self.bpos, -1), -1):",
+        (PREFETCH_DEPTH,),
+    ),
+    Fault(
+        "a forward that raises keeps its saved-tensor hooks",
+        "dmuon_fn/_gather.py",
+        "            saver.leave()  # a no-op unless the last forward raised",
+        "            pass",
+        (T + "test_compile_blocks.py::test_a_forward_that_raises_leaves_no_trace",),
+    ),
+    Fault(
+        "a step that updates nothing",
+        "dmuon_fn/_optim.py",
+        "            self._update(group, p, *hyper[id(group)], ok)",
+        "            pass",
+        (TRAIN + "::test_all_zero_gradients_give_a_zero_update",),
+    ),
+    Fault(
+        "the configured Gram restarts ignored (the default used)",
+        "dmuon_fn/_orthogonalize.py",
+        "        restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts",
+        "        restarts = default_restarts(cfg.steps)",
+        (ORTHO,),
+    ),
+    Fault(
+        "the iteration dtype asked for ignored (the device's used)",
+        "dmuon_fn/_orthogonalize.py",
+        "    it = cfg.dtype or default_iteration_dtype(G.device, G.dtype)",
+        "    it = default_iteration_dtype(G.device, G.dtype)",
+        (ORTHO,),
+    ),
+    Fault(
+        "ns_step's b and c swapped",
+        "custom_ops/ns_step.py",
+        "    B = sym_mm(A, A, A, c, b)",
+        "    B = sym_mm(A, A, A, b, c)",
+        (ORTHO,),
+    ),
+    Fault(
+        "a Polar Express coefficient mistyped (two digits swapped)",
+        "dmuon_fn/_coefficients.py",
+        "(3.9486908534822946, -2.908902115962949, 0.5518191394370137),",
+        "(3.9486908534822946, -2.908902151962949, 0.5518191394370137),",
+        (COEFF,),
+    ),
+    Fault(
+        "the safety factor applied with the wrong powers",
+        "dmuon_fn/_coefficients.py",
+        "(a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)",
+        "(a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**2, c / POLAR_EXPRESS_SAFETY**3)",
+        (COEFF,),
+    ),
+    Fault(
+        "a long schedule cycles its rows instead of repeating the last",
+        "dmuon_fn/_coefficients.py",
+        "    return tuple(rows[min(i, len(rows) - 1)] for i in range(steps))",
+        "    return tuple(rows[i % len(rows)] for i in range(steps))",
+        (COEFF,),
+    ),
+    Fault(
+        "the Gram cost model misses one n×n product per step",
+        "dmuon_fn/_cost.py",
+        "        total += 0.0 if last else 2 * sym_nn  # R' = P·(P·R)",
+        "        total += 0.0 if last else sym_nn  # R' = P·(P·R)",
+        (T + "test_summary.py",),
+    ),
+    Fault(
+        "the cost of a batch of matrices counted once",
+        "dmuon_fn/_cost.py",
+        "    return batch * total",
+        "    return total",
+        (T + "test_summary.py",),
+    ),
+)
