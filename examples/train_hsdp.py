@@ -14,7 +14,7 @@ import dmuon_fn as dmuon
 
 
 def main() -> None:
-    device, rank, world_size = init()
+    device, rank, world_size = init(multiple_of=2)
 
     replicate_size = 2
     shard_size = world_size // replicate_size

@@ -19,7 +19,7 @@ import dmuon_fn as dmuon
 
 
 def main() -> None:
-    device, rank, world_size = init()
+    device, rank, world_size = init(multiple_of=2)
 
     tp = 2
     mesh = init_device_mesh(device, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))

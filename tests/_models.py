@@ -28,24 +28,26 @@ HP = dict(
 )
 
 
-def muon_fp32(model: nn.Module, **extra):
-    """dmuon_fn.Muon with HP and fp32 standard Newton-Schulz (the reference's arithmetic)."""
-    import dmuon_fn
-
-    kw = dict(
+def _hyper() -> dict:
+    """HP under the names `Muon` and `Config` share."""
+    return dict(
         lr=HP["lr"],
         momentum=HP["momentum"],
         nesterov=HP["nesterov"],
         weight_decay=HP["wd"],
-        ns_steps=HP["ns_steps"],
         adamw_lr=HP["adamw_lr"],
         adamw_betas=HP["adamw_betas"],
         adamw_eps=HP["adamw_eps"],
         adamw_weight_decay=HP["adamw_wd"],
-        ns_method="standard",
-        ns_dtype=torch.float32,
     )
-    return dmuon_fn.Muon(model, **{**kw, **extra})
+
+
+def muon_fp32(model: nn.Module, **extra):
+    """dmuon_fn.Muon with HP and fp32 standard Newton-Schulz (the reference's arithmetic)."""
+    import dmuon_fn
+
+    ns = dict(ns_steps=HP["ns_steps"], ns_method="standard", ns_dtype=torch.float32)
+    return dmuon_fn.Muon(model, **{**_hyper(), **ns, **extra})
 
 
 def config_fp32(**extra):
@@ -53,18 +55,8 @@ def config_fp32(**extra):
     `muon_fp32`."""
     import dmuon_fn
 
-    kw = dict(
-        lr=HP["lr"],
-        momentum=HP["momentum"],
-        nesterov=HP["nesterov"],
-        weight_decay=HP["wd"],
-        adamw_lr=HP["adamw_lr"],
-        adamw_betas=HP["adamw_betas"],
-        adamw_eps=HP["adamw_eps"],
-        adamw_weight_decay=HP["adamw_wd"],
-        ns=dmuon_fn.NSConfig(steps=HP["ns_steps"], method="standard", dtype=torch.float32),
-    )
-    return dmuon_fn.Config(**{**kw, **extra})
+    ns = dmuon_fn.NSConfig(steps=HP["ns_steps"], method="standard", dtype=torch.float32)
+    return dmuon_fn.Config(**{**_hyper(), "ns": ns, **extra})
 
 
 def meshes(world: int, hsdp: bool):
