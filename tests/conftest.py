@@ -5,10 +5,11 @@ dmuon_fn or torch, and before the ranks' fork server (tests/_dist.py) starts and
   must not change what the tests check). Tests that need one set it themselves (monkeypatch).
 - Every cache the tests fill is a fresh directory for this session, removed at its end:
   `DMUON_CACHE_DIR` (custom_ops' kernel caches), `TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`,
-  `XDG_CACHE_HOME` (torch's hub and other ~/.cache defaults) and hypothesis's storage, example
-  database included. Nothing lands in $HOME, the working tree (no .hypothesis/) or inductor's
-  shared default, and no cache left by an earlier run can hide a cold-cache fault. The directory
-  is made under $TMPDIR; pytest's header names it. This holds under CI's own fresh caches too.
+  `XDG_CACHE_HOME` (torch's hub and other ~/.cache defaults), `MPLCONFIGDIR` (matplotlib's
+  ~/.config/matplotlib) and hypothesis's storage, example database included. Nothing lands in
+  $HOME, the working tree (no .hypothesis/) or inductor's shared default, and no cache left by
+  an earlier run can hide a cold-cache fault. The directory is made under $TMPDIR; pytest's
+  header names it. This holds under CI's own fresh caches too.
 - DMUON_TEST_KEEP_CACHES=1 keeps the caller's caches instead (DMUON_CACHE_DIR included, and
   inductor's, triton's and XDG's, set or default): a warm inductor cache for a quick rerun. The
   hypothesis storage stays in the session's directory either way.
@@ -45,6 +46,7 @@ if not KEEP_CACHES:
         ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
         ("TRITON_CACHE_DIR", "triton"),
         ("XDG_CACHE_HOME", "xdg"),
+        ("MPLCONFIGDIR", "matplotlib"),  # the main job's plot (tests/test_examples.py)
     ]:
         os.environ[_name] = str(SESSION_DIR / _sub)
 
