@@ -176,6 +176,31 @@ RIGHT = dict(
 )
 
 
+# Wrong optimizers, each HP with one thing changed (a hyperparameter ignored: the library's default
+# used) or one of RIGHT's knobs: tests/test_tolerances.py and tests/_oracle.py measure how far
+# each lands from the right one.
+WRONG: dict[str, dict] = {
+    "Muon lr ignored": dict(lr=0.02),
+    "Muon weight decay ignored": dict(wd=0.0),
+    "weight decay after the update": dict(decay_first=False),
+    "momentum ignored": dict(momentum=0.95),
+    "Nesterov ignored": dict(nesterov=True),
+    "ns_steps ignored / one step fewer": dict(ns_steps=5),
+    "lr scale from the short side": dict(lr_side=min),
+    "AdamW lr ignored": dict(adamw_lr=1e-3),
+    "AdamW weight decay ignored": dict(adamw_wd=0.01),
+    "AdamW weight decay dropped": dict(adamw_wd=0.0),
+    "AdamW betas ignored": dict(adamw_betas=(0.9, 0.999)),
+    "AdamW eps ignored": dict(adamw_eps=1e-8),
+}
+
+
+def split_wrong(change: dict) -> tuple[dict, dict]:
+    """A WRONG entry as (HP with its hyperparameters changed, its knobs for `reference`)."""
+    knobs = {k: v for k, v in change.items() if k in RIGHT}
+    return {**HP, **{k: v for k, v in change.items() if k not in RIGHT}}, knobs
+
+
 def reference(
     name: str,
     world: int,

@@ -7,7 +7,8 @@ models, as far as many wrong optimizers would. The oracle takes what the step it
 parameter's fp32 master, the reduced gradient, the optimizer state, before the step) and the
 master after it, and recomputes the step in float64 with tests._models.HP: the library's fp32
 arithmetic lands within ~1e-4 of it (relative to the update), while every wrong optimizer in
-`VARIANTS` moves the update by 5e-3 or more. `check` measures both on the test's own data.
+`tests._models.WRONG` moves the update by 5e-3 or more. `check` measures both on the test's own
+data.
 
 `before[name]`: dict(W=master, g=gradient, buf=momentum) for Muon, dict(W, g, m=exp_avg,
 v=exp_avg_sq, t=step count) for AdamW, full tensors; `after[name]`: the master after the step.
@@ -21,22 +22,7 @@ import torch
 
 import dmuon_fn as dmuon
 from dmuon_fn._coefficients import schedule
-from tests._models import HP, full_params
-
-# wrong optimizers, each HP with one thing changed (or a knob of `step64`)
-VARIANTS: dict[str, dict] = {
-    "Muon lr ignored": dict(lr=0.02),
-    "Muon weight decay ignored": dict(wd=0.0),
-    "weight decay after the update": dict(decay_first=False),
-    "momentum ignored": dict(momentum=0.95),
-    "Nesterov ignored": dict(nesterov=True),
-    "ns_steps ignored": dict(ns_steps=5),
-    "lr scale from the short side": dict(lr_side=min),
-    "AdamW lr ignored": dict(adamw_lr=1e-3),
-    "AdamW weight decay ignored": dict(adamw_wd=0.01),
-    "AdamW betas ignored": dict(adamw_betas=(0.9, 0.999)),
-    "AdamW eps ignored": dict(adamw_eps=1e-8),
-}
+from tests._models import HP, WRONG, full_params
 
 
 def ns64(u: torch.Tensor, steps: int) -> torch.Tensor:
@@ -86,12 +72,12 @@ def check(
 ) -> tuple[float, dict[str, float]]:
     """(the largest error of the step's updates against the oracle's, each variant's effect):
     both relative to the oracle's update W_after − W_before, max over parameters."""
-    err, effect = 0.0, dict.fromkeys(VARIANTS, 0.0)
+    err, effect = 0.0, dict.fromkeys(WRONG, 0.0)
     for n, s in before.items():
         W0 = s["W"].double()
         want = step64(kinds[n], s, HP, lr_factor) - W0
         err = max(err, _rel(after[n].double() - W0, want))
-        for k, change in VARIANTS.items():
+        for k, change in WRONG.items():  # step64 reads the knobs lr_side, decay_first
             wrong = step64(kinds[n], s, {**HP, **change}, lr_factor) - W0
             effect[k] = max(effect[k], _rel(wrong, want))
     return err, effect
@@ -108,7 +94,7 @@ def assert_steps(per_rank: list[list[tuple[float, dict[str, float]]]], what: obj
     at least 10·TOL away from it on some step of some rank (the test can see it)."""
     errs = [e for steps in per_rank for e, _ in steps]
     assert max(errs) < TOL, (what, "step errors", errs)
-    effect = {k: max(eff[k] for steps in per_rank for _, eff in steps) for k in VARIANTS}
+    effect = {k: max(eff[k] for steps in per_rank for _, eff in steps) for k in WRONG}
     unseen = {k: v for k, v in effect.items() if v < 10 * TOL}
     assert not unseen, (what, "wrong optimizers the oracle would not see", unseen)
 

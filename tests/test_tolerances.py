@@ -1,8 +1,9 @@
 """Each parity tolerance is at most a tenth of the smallest effect it must detect, measured.
 
 A parity test compares a run of the library with `tests._models.reference`. The wrong optimizers
-it must tell apart from the right one are the reference with one thing changed (`FAULTS`: a
-hyperparameter ignored, i.e. the library default used instead of tests._models.HP; weight decay
+it must tell apart from the right one are the reference with one thing changed
+(`tests._models.WRONG`: a hyperparameter ignored, i.e. the library default used instead of HP;
+weight decay
 applied after the update; the lr scale from the short side; one Newton-Schulz step fewer;
 gradients summed over data ranks instead of averaged). For each test's own model, world, steps
 and lr schedule this measures every such effect, max over parameters of
@@ -29,24 +30,9 @@ from tests import (
     test_tensor_parallel,
     test_training,
 )
-from tests._models import HP, is_proj, make, reference
+from tests._models import HP, WRONG, is_proj, make, reference, split_wrong
 
-# name -> (HP changes, reference knobs as a function of the world size)
-FAULTS: dict[str, tuple[dict, Callable[[int], dict]]] = {
-    "Muon lr ignored": (dict(lr=0.02), lambda w: {}),
-    "Muon weight decay ignored": (dict(wd=0.0), lambda w: {}),
-    "weight decay after the update": ({}, lambda w: dict(decay_first=False)),
-    "momentum ignored": (dict(momentum=0.95), lambda w: {}),
-    "Nesterov ignored": (dict(nesterov=True), lambda w: {}),
-    "ns_steps ignored / one step fewer": (dict(ns_steps=5), lambda w: {}),
-    "lr scale from the short side": ({}, lambda w: dict(lr_side=min)),
-    "AdamW lr ignored": (dict(adamw_lr=1e-3), lambda w: {}),
-    "AdamW weight decay ignored": (dict(adamw_wd=0.01), lambda w: {}),
-    "AdamW weight decay dropped": (dict(adamw_wd=0.0), lambda w: {}),
-    "AdamW betas ignored": (dict(adamw_betas=(0.9, 0.999)), lambda w: {}),
-    "AdamW eps ignored": (dict(adamw_eps=1e-8), lambda w: {}),
-    "gradients summed over ranks": ({}, lambda w: dict(grad_scale=float(w))),
-}
+SUMMED = "gradients summed over ranks"
 STEPS = 5
 
 
@@ -131,7 +117,7 @@ NOT_ITS_SUBJECT = {
     "test_checkpoint mlp W=2, two steps after a resume": {
         "weight decay after the update",
         "lr scale from the short side",
-        "gradients summed over ranks",
+        SUMMED,
     }
 }
 
@@ -139,11 +125,12 @@ NOT_ITS_SUBJECT = {
 def effects(world: int, ref: Callable[..., dict]) -> dict[str, float]:
     """Each fault's effect on `ref`'s result: max over parameters of the relative change."""
     right = ref(HP)
+    runs = {name: split_wrong(change) for name, change in WRONG.items()}
+    if world > 1:  # (one process: nothing to sum)
+        runs[SUMMED] = (HP, dict(grad_scale=float(world)))
     out = {}
-    for name, (hp, knobs) in FAULTS.items():
-        if world == 1 and name == "gradients summed over ranks":
-            continue  # nothing to sum
-        wrong = ref({**HP, **hp}, **knobs(world))
+    for name, (hp, knobs) in runs.items():
+        wrong = ref(hp, **knobs)
         out[name] = max(
             ((wrong[n].double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
             for n, w in right.items()
@@ -174,7 +161,7 @@ def _table() -> str:
         mine = {k: v for k, v in eff.items() if k not in NOT_ITS_SUBJECT.get(what, ())}
         k = min(mine, key=mine.get)
         lines.append(f"| {what} | {tol:.0e} | {eff[k]:.1e} | {k} | {eff[k] / tol:.0f} |")
-    names = list(FAULTS)
+    names = [*WRONG, SUMMED]
     lines += ["", "| test | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for what, _, world, ref in CASES:
         eff = effects(world, ref)
