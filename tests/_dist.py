@@ -140,11 +140,17 @@ def _stop(procs: list, out: str) -> None:
             stacks = Path(out, f"{r}.stacks")
             text = stacks.read_text() if stacks.exists() else ""
             print(f"--- rank {r}, still running, killed:\n{text}", file=sys.stderr, flush=True)
+    kill_all(procs)
+
+
+def kill_all(procs: list) -> None:
+    """SIGKILL every process of `procs` still running, then reap every started one."""
     for p in procs:
         if p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=30)
+        if p.pid is not None:
+            p.join(timeout=30)
 
 
 def run_ranks(

@@ -196,9 +196,26 @@ WRONG: dict[str, dict] = {
 
 
 def split_wrong(change: dict) -> tuple[dict, dict]:
-    """A WRONG entry as (HP with its hyperparameters changed, its knobs for `reference`)."""
+    """A WRONG entry as (HP with its hyperparameters changed, RIGHT with its knobs changed)."""
     knobs = {k: v for k, v in change.items() if k in RIGHT}
-    return {**HP, **{k: v for k, v in change.items() if k not in RIGHT}}, knobs
+    return {**HP, **{k: v for k, v in change.items() if k not in RIGHT}}, {**RIGHT, **knobs}
+
+
+def muon_step(W, g, buf, lr: float, hp: dict, knobs: dict = RIGHT):
+    """One Muon step of the reference's math, the update's dtype W's (Newton-Schulz in fp32 at
+    least): (new W, new momentum). `hp` as HP (with "adjust_lr" optional), `knobs` as RIGHT."""
+    buf = hp["momentum"] * buf + g
+    u = g + hp["momentum"] * buf if hp.get("nesterov", True) else buf
+    m, k = W.shape[0], math.prod(W.shape[1:])
+    if hp.get("adjust_lr", "match_rms_adamw") == "original":
+        scale = math.sqrt(max(1.0, m / k))
+    else:
+        scale = 0.2 * math.sqrt(knobs["lr_side"](m, k))
+    O = ns_fp32(u.reshape(m, k), hp.get("ns_steps", 5)).reshape(W.shape)
+    decay = 1 - lr * hp["wd"]
+    if knobs["decay_first"]:
+        return W * decay - lr * scale * O, buf
+    return (W - lr * scale * O) * decay, buf
 
 
 def reference(
@@ -233,8 +250,6 @@ def reference(
         eps=hp.get("adamw_eps", 1e-8),
         weight_decay=hp["adamw_wd"],
     )
-    ns_steps = hp.get("ns_steps", 5)
-    nesterov = hp.get("nesterov", True)
     bufs = {n: torch.zeros_like(named[n]) for n in muon}
     for step in range(steps):
         lr = hp["lr"] * schedule(step)
@@ -250,18 +265,8 @@ def reference(
                 p, g = named[n], named[n].grad
                 if g is None:  # not used this step: no update (AdamW skips it too)
                     continue
-                bufs[n] = hp["momentum"] * bufs[n] + g
-                u = g + hp["momentum"] * bufs[n] if nesterov else bufs[n]
-                m, k = p.shape
-                if hp.get("adjust_lr", "match_rms_adamw") == "original":
-                    scale = math.sqrt(max(1.0, m / k))
-                else:
-                    scale = 0.2 * math.sqrt(knobs["lr_side"](m, k))
-                O = ns_fp32(u, ns_steps)
-                if knobs["decay_first"]:
-                    p.mul_(1 - lr * hp["wd"]).sub_(lr * scale * O)
-                else:
-                    p.sub_(lr * scale * O).mul_(1 - lr * hp["wd"])
+                new, bufs[n] = muon_step(p, g, bufs[n], lr, hp, knobs)
+                p.copy_(new)
             adamw.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -21,36 +21,16 @@ import math
 import torch
 
 import dmuon_fn as dmuon
-from dmuon_fn._coefficients import schedule
-from tests._models import HP, WRONG, full_params
+from tests._models import HP, RIGHT, WRONG, full_params, muon_step, split_wrong
+from tests._tolerance import rel_err
 
 
-def ns64(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """Standard Newton-Schulz in float64 with the library's normalization (DESIGN.md)."""
-    X = u.double().reshape(u.shape[0], -1)
-    tall = X.shape[0] > X.shape[1]
-    X = X.T if tall else X
-    X = X / X.abs().max().clamp_min(1e-300)
-    X = X / (X.norm() + 1e-7)
-    for a, b, c in schedule("polar_express", steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return (X.T if tall else X).reshape(u.shape)
-
-
-def step64(kind: str, s: dict, hp: dict, lr_factor: float = 1.0) -> torch.Tensor:
-    """The master after one step of `kind` ("muon"/"adamw") from state `s`, in float64."""
+def step64(kind: str, s: dict, hp: dict, knobs: dict = RIGHT, lr_factor: float = 1.0):
+    """The master after one step of `kind` ("muon"/"adamw") from state `s`, in float64: Muon
+    by the reference's own step (tests._models.muon_step), AdamW as torch.optim.AdamW."""
     W, g = s["W"].double(), s["g"].double()
     if kind == "muon":
-        lr, wd, mu = hp["lr"] * lr_factor, hp["wd"], hp["momentum"]
-        buf = mu * s["buf"].double() + g
-        u = g + mu * buf if hp["nesterov"] else buf
-        m, n = W.shape[0], math.prod(W.shape[1:])
-        scale = 0.2 * math.sqrt(hp.get("lr_side", max)(m, n))
-        O = ns64(u, hp["ns_steps"])
-        if hp.get("decay_first", True):
-            return W * (1 - lr * wd) - lr * scale * O
-        return (W - lr * scale * O) * (1 - lr * wd)
+        return muon_step(W, g, s["buf"].double(), hp["lr"] * lr_factor, hp, knobs)[0]
     lr, wd = hp["adamw_lr"] * lr_factor, hp["adamw_wd"]
     (b1, b2), eps = hp["adamw_betas"], hp["adamw_eps"]
     t = float(s["t"]) + 1
@@ -58,10 +38,6 @@ def step64(kind: str, s: dict, hp: dict, lr_factor: float = 1.0) -> torch.Tensor
     v = b2 * s["v"].double() + (1 - b2) * g * g
     denom = v.sqrt() / math.sqrt(1 - b2**t) + eps
     return W * (1 - lr * wd) - lr / (1 - b1**t) * m / denom
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def check(
@@ -75,11 +51,11 @@ def check(
     err, effect = 0.0, dict.fromkeys(WRONG, 0.0)
     for n, s in before.items():
         W0 = s["W"].double()
-        want = step64(kinds[n], s, HP, lr_factor) - W0
-        err = max(err, _rel(after[n].double() - W0, want))
-        for k, change in WRONG.items():  # step64 reads the knobs lr_side, decay_first
-            wrong = step64(kinds[n], s, {**HP, **change}, lr_factor) - W0
-            effect[k] = max(effect[k], _rel(wrong, want))
+        want = step64(kinds[n], s, HP, lr_factor=lr_factor) - W0
+        err = max(err, rel_err(after[n] - W0, want))
+        for k, change in WRONG.items():
+            wrong = step64(kinds[n], s, *split_wrong(change), lr_factor=lr_factor) - W0
+            effect[k] = max(effect[k], rel_err(wrong, want))
     return err, effect
 
 
@@ -132,3 +108,12 @@ def seen(model, opt) -> dict[str, dict]:
         if kind[n] == "adamw":
             out[n]["t"] = float(state[id(p)]["step"])
     return out
+
+
+def checked_step(model, opt) -> tuple[tuple[float, dict[str, float]], dict[str, dict]]:
+    """`opt.step()` of the object API with the oracle's `check` of it (collective): (the check's
+    result, the `before` it used)."""
+    before = seen(model, opt)
+    opt.step()
+    after = full_params(model, model._dmuon_state, cast=False)
+    return check(before, {n: after[n] for n in before}, kinds(model)), before

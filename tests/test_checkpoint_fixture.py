@@ -1,154 +1,107 @@
 """Checkpoints written by an earlier version of the library still load and resume.
 
 tests/data/checkpoint_v1/ was written by `python -m tests.test_checkpoint_fixture --record`
-at commit 9171d42 (the library as of ded5c60): the object API's `save_checkpoint` (`obj/`) and
-the functional `save_state` (`fn/`) of the test MLP after three steps with tests._models.HP, one
-process, and `truth.pt`, the same values saved with torch.save. Loading each into a fresh model
+with the library as of ded5c60: tests/test_checkpoint.py's tied transformer (every matrix
+dedicated, `pure`) after its N steps, one process, saved by the object API's `save_checkpoint`
+(`obj/`) and, for the same model and plan, by the functional `save_state` (`fn/`); `truth.pt`
+holds the same values as `_obj_full`/`_fn_full` read them. Loading each into a fresh model
 must give those values bit for bit (parameters, optimizer state, step counts, hyperparameters,
-the guard's counters); two more steps from the loaded state must equal, bit for bit, two steps
-from the truth installed by hand (so the resume uses what was loaded, hyperparameters
-included). The training arithmetic is this machine's on both sides, so the check holds on any
-CPU.
+the guard's counters); M more steps from the loaded state must equal, bit for bit, M steps from
+the truth installed by hand (so the resume uses what was loaded). The training arithmetic is
+this machine's on both sides, so the check holds on any CPU.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
+from dmuon_fn._update import state_from, state_items
 from tests._dist import run_ranks
-from tests._models import batch, config_fp32, make, muon_fp32
+from tests.test_checkpoint import (
+    FN,
+    OBJ,
+    M,
+    N,
+    _equal,
+    _fn_build,
+    _fn_full,
+    _fn_train,
+    _obj_build,
+    _obj_full,
+    _obj_train,
+)
 
 DATA = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
-N, M = 3, 2  # steps before the checkpoint, steps after it
-
-
-def _obj():
-    model = make("mlp")
-    dmuon.dedicate_params(model, init_device_mesh("cpu", (1,)), pure=True)
-    return model, muon_fp32(model)
-
-
-def _obj_steps(model, opt, start, stop):
-    for s in range(start, stop):
-        opt.zero_grad()
-        model(batch("mlp", s, 0)).backward()
-        opt.step()
-
-
-def _obj_values(model, opt) -> dict:
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for g in opt.param_groups:
-        for p in g["params"]:
-            out.update({f"optim.{names[id(p)]}.{k}": v.clone() for k, v in opt.state[p].items()})
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        out[f"group.{g['kind']}"] = hyper
-    out["optim.skipped_steps"] = opt.skipped_steps.clone()
-    out["optim.grad_norm"] = opt.grad_norm.clone()
-    return out
-
-
-def _fn():
-    model = make("mlp")
-    return model, dmuon.init(model, dmuon.plan(model), config_fp32())
-
-
-def _fn_steps(model, state, start, stop):
-    def loss_fn(params, x):
-        return torch.func.functional_call(model, params, (x,))
-
-    for s in range(start, stop):
-        _, grads = dmuon.value_and_grad(loss_fn, state.plan)(state.params, batch("mlp", s, 0))
-        state = dmuon.update(grads, state)
-    return state
-
-
-def _fn_values(state) -> dict:
-    out = {f"model.{n}": t.clone() for n, t in state.params.items()}
-    for n, s in state.opt.items():
-        out.update({f"optim.{n}.{k}": getattr(s, k).clone() for k in s._fields})
-    out["config"] = dataclasses.asdict(state.config)  # plain values: no pickled class paths
-    out["optim.skipped_steps"] = state.skipped_steps.clone()
-    out["optim.grad_norm"] = state.grad_norm.clone()
-    return out
+OBJ_CASE, FN_CASE = "tied_pure", "fn_tied"  # the same model and plan in both faces
+NAME = OBJ[OBJ_CASE][0]
 
 
 def _record(rank, world, root):
-    model, opt = _obj()
-    _obj_steps(model, opt, 0, N)
+    model, opt = _obj_build(1, False, *OBJ[OBJ_CASE])
+    _obj_train(model, opt, rank, NAME, 0, N)
     dmuon.save_checkpoint(Path(root, "obj"), model, opt)
-    return _obj_values(model, opt)
-
-
-def _equal(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for k, v in want.items():
-        if torch.is_tensor(v):
-            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
-        else:
-            assert got[k] == v, (k, got[k], v)
+    return _obj_full(model, opt)
 
 
 def _resume_obj(rank, world, root, truth):
-    model, opt = _obj()
+    model, opt = _obj_build(1, False, *OBJ[OBJ_CASE])
     dmuon.load_checkpoint(Path(root, "obj"), model, opt)
-    loaded = _obj_values(model, opt)
-    _obj_steps(model, opt, N, N + M)
-    # the truth installed by hand into a fresh model and optimizer
-    ref, ref_opt = _obj()
+    loaded = _obj_full(model, opt)
+    _obj_train(model, opt, rank, NAME, N, N + M)
+    # the truth installed by hand into a fresh model and optimizer (every parameter dedicated,
+    # one process: each is its own whole master)
+    ref, ref_opt = _obj_build(1, False, *OBJ[OBJ_CASE])
     names = {id(p): n for n, p in ref.named_parameters()}
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            p.copy_(truth[f"model.{n}"])
     for g in ref_opt.param_groups:
-        g.update(truth[f"group.{g['kind']}"])
+        g.update({k: truth[f"{g['kind']}.{k}"] for k in g if k != "params"})
         for p in g["params"]:
+            with torch.no_grad():
+                p.copy_(truth[f"{names[id(p)]}.param"])
             for k, v in ref_opt.state[p].items():
-                v.copy_(truth[f"optim.{names[id(p)]}.{k}"])
-    _obj_steps(ref, ref_opt, N, N + M)
-    return loaded, _obj_values(model, opt), _obj_values(ref, ref_opt)
+                v.copy_(truth[f"{names[id(p)]}.{k}"])
+    _obj_train(ref, ref_opt, rank, NAME, N, N + M)
+    return loaded, _obj_full(model, opt), _obj_full(ref, ref_opt)
 
 
 def test_an_earlier_object_checkpoint_loads_and_resumes_bit_exactly():
     truth = torch.load(DATA / "truth.pt", weights_only=False)["obj"]
     loaded, resumed, from_truth = run_ranks(_resume_obj, 1, str(DATA), truth)[0]
-    _equal(loaded, truth)
-    _equal(resumed, from_truth)
-    w = "model.layers.0.up_proj.weight"
-    assert not torch.equal(resumed[w], loaded[w])  # the resume trained
+    _equal(loaded, (truth, True), "loaded")
+    _equal(resumed, from_truth, "resumed")
+    w = "block.up_proj.weight.param"
+    assert not torch.equal(resumed[0][w], loaded[0][w])  # the resume trained
 
 
 def test_an_earlier_functional_checkpoint_loads_and_resumes_bit_exactly():
     truth = torch.load(DATA / "truth.pt", weights_only=False)["fn"]
-    model, fresh = _fn()
+    model, fresh = _fn_build(1, False, *FN[FN_CASE])
     state = dmuon.load_state(DATA / "fn", fresh)
-    _equal(_fn_values(state), truth)
-    installed = fresh._replace(
-        params={n: truth[f"model.{n}"].clone() for n in fresh.params},
+    _equal(_fn_full(state), (truth, True), "loaded")
+    # the truth installed by hand; the hyperparameters are the loaded Config's, checked above
+    installed = state._replace(
+        params={n: truth[f"{n}.param"].clone() for n in fresh.params},
         opt={
-            n: type(s)(*(truth[f"optim.{n}.{k}"].clone() for k in s._fields))
+            n: state_from(type(s), {k: truth[f"{n}.{k}"].clone() for k in state_items(s)})
             for n, s in fresh.opt.items()
         },
-        skipped_steps=truth["optim.skipped_steps"].clone(),
-        grad_norm=truth["optim.grad_norm"].clone(),
+        skipped_steps=truth["guard.skipped_steps"].clone(),
+        grad_norm=truth["guard.grad_norm"].clone(),
     )
-    resumed, ref = _fn_steps(model, state, N, N + M), _fn_steps(model, installed, N, N + M)
-    _equal(_fn_values(resumed), _fn_values(ref))
+    resumed = _fn_train(model, state, 0, NAME, N, N + M)
+    _equal(_fn_full(resumed), _fn_full(_fn_train(model, installed, 0, NAME, N, N + M)), "resumed")
 
 
 def record() -> None:
     DATA.mkdir(parents=True, exist_ok=True)
-    obj = run_ranks(_record, 1, str(DATA))[0]
-    model, state = _fn()
-    state = _fn_steps(model, state, 0, N)
+    obj, _ = run_ranks(_record, 1, str(DATA))[0]
+    model, state = _fn_build(1, False, *FN[FN_CASE])
+    state = _fn_train(model, state, 0, NAME, 0, N)
     dmuon.save_state(DATA / "fn", state)
-    torch.save({"obj": obj, "fn": _fn_values(state)}, DATA / "truth.pt")
+    torch.save({"obj": obj, "fn": _fn_full(state)[0]}, DATA / "truth.pt")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:

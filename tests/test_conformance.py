@@ -21,11 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
 from tests._models import HP, batch, config_fp32, make, muon_fp32, reference
+from tests._tolerance import rel_err
 
 STEPS = 5
 TOL = 1e-5
 VARIANTS = {
-    "hp": {},
+    "hp": dict(adjust_lr="match_rms_adamw"),
     "other_branches": dict(nesterov=True, adjust_lr="original", ns_steps=4),
 }
 
@@ -47,7 +48,7 @@ def _object_api(rank, world, name, variant):
         model,
         nesterov=hp["nesterov"],
         ns_steps=hp["ns_steps"],
-        adjust_lr=hp.get("adjust_lr", "match_rms_adamw"),
+        adjust_lr=hp["adjust_lr"],
         ns_dtype=torch.float64,
         state_dtype=torch.float64,
     )
@@ -64,7 +65,7 @@ def _functional(name, variant):
     fp = dmuon.plan(model)
     cfg = config_fp32(
         nesterov=hp["nesterov"],
-        adjust_lr=hp.get("adjust_lr", "match_rms_adamw"),
+        adjust_lr=hp["adjust_lr"],
         ns=dmuon.NSConfig(steps=hp["ns_steps"], method="standard", dtype=torch.float64),
         state_dtype=torch.float64,
     )
@@ -79,10 +80,6 @@ def _functional(name, variant):
     return dict(state.params)
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _check(got, name, variant):
     muon = {n for n, p in make(name).named_parameters() if p.ndim >= 2}
     want = reference(
@@ -94,7 +91,7 @@ def _check(got, name, variant):
         model=make(name).double(),
         loss=lambda m, step, rank: m(_x(name, step)),
     )
-    errs = {n: _rel(got[n], w) for n, w in want.items()}
+    errs = {n: rel_err(got[n], w) for n, w in want.items()}
     assert max(errs.values()) < TOL, errs
 
 

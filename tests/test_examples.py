@@ -18,10 +18,11 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _torchrun(*script: str, launcher=("-m", "torch.distributed.run", "--nproc_per_node=2")):
-    """`torchrun --nproc_per_node=2 <script...>` from examples/ (`launcher=()`: plain python),
+def _torchrun(*script: str, torchrun: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=2 <script...>` from examples/ (torchrun=False: plain python),
     with the repository root on the path so the ranks import dmuon_fn even where it is not
     installed."""
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2"] if torchrun else []
     path = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     return subprocess.run(
@@ -36,11 +37,11 @@ def _torchrun(*script: str, launcher=("-m", "torch.distributed.run", "--nproc_pe
 
 @pytest.mark.slow
 def test_a_script_started_without_torchrun_runs_as_one_process_or_says_how_to_launch():
-    proc = _torchrun("train_fsdp2.py", launcher=())
+    proc = _torchrun("train_fsdp2.py", torchrun=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "one process (for several ranks: torchrun" in proc.stderr
     assert len(re.findall(r"step +\d+ +loss=(\S+)", proc.stdout)) == 4, proc.stdout
-    proc = _torchrun("train_hsdp.py", launcher=())
+    proc = _torchrun("train_hsdp.py", torchrun=False)
     assert proc.returncode == 1
     assert "needs a multiple of 2 ranks, got 1: e.g. torchrun --nproc_per_node=4" in proc.stderr
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
-from tests._dist import init_rank, rank_context, rank_store
+from tests._dist import init_rank, kill_all, rank_context, rank_store
 from tests._models import batch, is_proj, make, muon_fp32
 
 W, STEPS, EVERY, DIE_AT, VICTIM = 3, 6, 2, 5, 1
@@ -94,10 +94,7 @@ def _launch(root: Path, out: Path, *, die: bool, resume: bool, deadline: float =
             p.join(timeout=max(0.1, end - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
     finally:  # never leave a rank running: a timeout, a failure or an interrupt alike
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        kill_all(procs)
     del store
     assert not hung, f"ranks {hung} still running after {deadline} s: a hang"
     results = {}

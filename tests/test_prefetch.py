@@ -253,9 +253,11 @@ def test_comm_timer_counts_every_blocking_wait():
         assert all(s >= 0.0 for s in seconds.values()) and seconds["forward"] > 0.0
 
 
-def _peak(rank, world, depth):
+def _peaks(rank, world, depth):
+    """The chain under Z3 at prefetch `depth`, once its order is recorded: the peak bytes of
+    gathered parameters over a whole step, then in one forward and, separately, its backward
+    (each direction's prefetch seen on its own), and the largest unit's bytes."""
     model, opt, _ = _chain(world, False, True, depth)
-    st = model._dmuon_state
 
     def step(i):
         opt.zero_grad()
@@ -263,25 +265,12 @@ def _peak(rank, world, depth):
 
     step(0)
     opt.step()  # the recorded order exists from here
-    _, mem = peak_bytes(lambda: step(1))
-    unit_bytes = max(sum(g.numel * 4 for g in u.groups) for u in st.scheduler.units)
-    return mem["gathered"], unit_bytes
-
-
-def _z3_peaks(rank: int, world: int, depth: int):
-    """tests/test_prefetch.py's chain under Z3 at prefetch `depth`, once its order is recorded:
-    the peak bytes of gathered parameters in one forward and, separately, in its backward, and
-    the largest unit's bytes. The forward's peak comes from its prefetched gathers, the
-    backward's from its prefetched re-gathers: each direction's prefetch is seen on its own."""
-    model, opt, _ = _chain(world, False, True, depth)
-    model(_x(0, rank), ORDERS[0]).backward()
-    opt.step()  # the recorded order exists from here
+    _, whole = peak_bytes(lambda: step(1))
     opt.zero_grad()
-    loss, forward = peak_bytes(lambda: model(_x(1, rank), ORDERS[0]))
+    loss, forward = peak_bytes(lambda: model(_x(2, rank), ORDERS[0]))
     _, backward = peak_bytes(loss.backward)
-    units = model._dmuon_state.scheduler.units
-    unit = max(sum(g.numel * 4 for g in u.groups) for u in units)
-    return forward["gathered"], backward["gathered"], unit
+    unit = max(sum(g.numel * 4 for g in u.groups) for u in model._dmuon_state.scheduler.units)
+    return whole["gathered"], forward["gathered"], backward["gathered"], unit
 
 
 @pytest.mark.slow
@@ -291,9 +280,8 @@ def test_z3_holds_at_most_depth_plus_one_units():
     `depth` units (ORDERS[0] runs all three blocks, of equal units, so depth 2 holds all three).
     Without prefetch, in either direction, that direction peaks at one unit."""
     for depth in (0, 1, 2):
-        for gathered, unit in run_ranks(_peak, 2, depth):
+        for gathered, forward, backward, unit in run_ranks(_peaks, 2, depth):
             assert depth * unit < gathered <= (depth + 1) * unit, (depth, gathered, unit)
-        for forward, backward, unit in run_ranks(_z3_peaks, 2, depth):
             for peak in (forward, backward):
                 assert depth * unit < peak <= (depth + 1) * unit, (depth, forward, backward, unit)
 

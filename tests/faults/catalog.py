@@ -31,6 +31,7 @@ FN1 = T + "test_functional.py::test_world_1"
 ORTHO = T + "test_orthogonalize.py"
 TRAIN = T + "test_training.py"
 CKPT = T + "test_checkpoint.py"
+CKPT_V1 = T + "test_checkpoint_fixture.py"
 GUARD = T + "test_functional_guard.py"
 PREFETCH_DEPTH = T + "test_prefetch.py::test_z3_holds_at_most_depth_plus_one_units"
 COEFF = T + "test_coefficients.py"
@@ -208,7 +209,7 @@ FAULTS: tuple[Fault, ...] = (
         'sd[f"optim.{names[id(p)]}.{k}"] = v if v.ndim == 0 else _part(e, v)',
         'sd[f"optim.{names[id(p)]}.{k}"] = (v.clone() if load else v)'
         " if v.ndim == 0 else _part(e, v)",
-        (CKPT,),
+        (CKPT, CKPT_V1),
     ),
     Fault(
         "functional checkpoint load drops AdamW's step count",
@@ -216,7 +217,7 @@ FAULTS: tuple[Fault, ...] = (
         'sd.update({f"optim.{n}.{k}": v for k, v in state_items(state.opt[n]).items()})',
         'sd.update({f"optim.{n}.{k}": v.clone() if load and k == "step" else v'
         " for k, v in state_items(state.opt[n]).items()})",
-        (CKPT,),
+        (CKPT, CKPT_V1),
     ),
     Fault(
         "a plan that gives one matrix two owners",

@@ -10,13 +10,14 @@ and print whether the suite caught it.
 A fault is caught when pytest exits 1 (tests ran and some failed). Exit 0 is a miss; any other
 exit code (the copy did not import, collection failed) or a timeout is reported as an error and
 counts as not caught. The copy is the working tree's tracked and unignored files; the library is
-imported from it (checked), with every cache in a fresh directory. Exits 1 if any fault is not
-caught.
+imported from it (checked), and the suite's conftest gives it fresh caches. Exits 1 if any
+fault is not caught.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -57,25 +58,29 @@ def apply(fault: Fault, tree: Path) -> None:
 
 
 def _env(tree: Path, scratch: Path) -> dict[str, str]:
+    """The caller's environment with the copy first on the path and `scratch` as TMPDIR: the
+    suite's conftest makes its fresh caches there and clears DMUON_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMUON_")}
     env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "DMUON_CACHE_DIR", "TMPDIR"):
-        env[var] = str(scratch / var.lower())
-        (scratch / var.lower()).mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(scratch)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
-def _check_import(tree: Path, env: dict[str, str]) -> None:
-    where = subprocess.run(
-        [sys.executable, "-c", "import dmuon_fn, custom_ops; print(dmuon_fn.__file__)"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout.strip()
+@functools.cache
+def _check_import(tree: Path) -> None:
+    """The copy at `tree` imports its own library, not an installed one (once per path: every
+    fault's copy is made at the same one)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        where = subprocess.run(
+            [sys.executable, "-c", "import dmuon_fn, custom_ops; print(dmuon_fn.__file__)"],
+            cwd=tree,
+            env=_env(tree, Path(scratch)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout.strip()
     if not Path(where).resolve().is_relative_to(tree.resolve()):
         raise RuntimeError(f"the copy imports dmuon_fn from {where}, not from {tree}")
 
@@ -84,7 +89,7 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
     """(verdict, seconds, last lines of output) for `tests` run in `tree`."""
     with tempfile.TemporaryDirectory() as scratch:
         env = _env(tree, Path(scratch))
-        _check_import(tree, env)
+        _check_import(tree)
         t0 = time.monotonic()
         try:
             p = subprocess.run(
