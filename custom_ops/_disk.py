@@ -2,7 +2,7 @@
 
 Root: `$DMUON_CACHE_DIR` when set, else `$XDG_CACHE_HOME/dmuon_fn` (XDG_CACHE_HOME defaults to
 ~/.cache). Users: compiled CuTe kernels (`cute/`, custom_ops/cute/_cache.py) and the measured
-CPU dispatch (`dispatch/`, dmuon_fn/_dispatch.py). Every entry can be deleted at any time.
+CPU dispatch (`dispatch/`, dmuon_fn/ns/_dispatch.py). Every entry can be deleted at any time.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ ENV_VAR = "DMUON_NS_KERNEL"
 # product of n rows takes the strips of the last entry with min_rows <= n, and one GEMM below the
 # first. Whether strips beat one GEMM, and from what size, depends on the CPU's GEMM (measured:
 # 2 strips won from 256 rows on one AVX-512 machine, and lost there below 512 in fp32), so the
-# table is measured per machine by dmuon_fn's dispatch (dmuon_fn/_dispatch.py) and installed
+# table is measured per machine by dmuon_fn's dispatch (dmuon_fn/ns/_dispatch.py) and installed
 # with `set_cpu_strips`; until then every product is one GEMM, the plain `A @ B`.
 _CPU_STRIPS: tuple[tuple[int, int], ...] = ()
 # Extra elements per row of the mirror's scratch strip (see _mirror_lower_).
@@ -63,7 +63,7 @@ def set_cpu_strips(table) -> None:
     """Install the CPU strip table ((min_rows, strips), ...; see `_CPU_STRIPS`).
 
     Process-wide (the kernel reads it when it runs, eager or compiled); every rank of a job must
-    install the same table (dmuon_fn agrees on it, see dmuon_fn/_dispatch.py).
+    install the same table (dmuon_fn agrees on it, see dmuon_fn/ns/_dispatch.py).
     """
     global _CPU_STRIPS
     _CPU_STRIPS = check_cpu_strips(table)

@@ -60,7 +60,7 @@ def _(locals, shapes, ndims, routes, group, after=None):
 
 
 # No autograd: the step gathers outside the differentiated function and reduces the gradients
-# of the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn._functional).
+# of the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn.functional._step).
 
 
 def _samples():

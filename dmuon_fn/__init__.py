@@ -1,17 +1,17 @@
 """dmuon_fn: distributed Muon for PyTorch as a torch.compile-native functional library."""
 
-from . import _fsdp_adapter
-from ._backend import get_ns_backend
 from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
-from ._coefficients import PRESETS
-from ._comm import CommCounter, CommTimer
-from ._dedicate import (
+from .comm._counters import CommCounter, CommTimer
+from .comm._errors import CollectiveError
+from .dedicated import _fsdp_adapter as _fsdp_adapter
+from .dedicated._dedicate import (
     dedicate_params,
     plan_summary,
     set_requires_gradient_sync,
     wait_gradients,
 )
-from ._functional import (
+from .dedicated._muon import Muon
+from .functional._step import (
     Config,
     FnPlan,
     State,
@@ -22,13 +22,10 @@ from ._functional import (
     update,
     value_and_grad,
 )
-from ._guard import CollectiveError
-from ._optim import Muon
-from ._orthogonalize import NSConfig, orthogonalize
-from ._partition import Plan, partition
-from ._plan_check import PlanMismatchError, check_plan_consistent
-from ._summary import PlanSummary, measure_gemm_flops
-from ._update import (
+from .ns._backend import get_ns_backend
+from .ns._coefficients import PRESETS
+from .ns._orthogonalize import NSConfig, orthogonalize
+from .optim._update import (
     AdamWState,
     MuonState,
     adamw_init,
@@ -36,6 +33,9 @@ from ._update import (
     muon_init,
     muon_update,
 )
+from .planning._check import PlanMismatchError, check_plan_consistent
+from .planning._partition import Plan, partition
+from .planning._summary import PlanSummary, measure_gemm_flops
 
 _fsdp_adapter.install()  # fully_shard skips dedicated params (see _fsdp_adapter)
 

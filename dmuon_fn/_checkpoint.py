@@ -40,11 +40,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ._functional import State
-from ._guard import counters
-from ._optim import Muon
-from ._state import DedicatedState, dedicated_state
-from ._update import STATE_KEYS, state_items
+from .dedicated._muon import Muon
+from .dedicated._state import DedicatedState, dedicated_state
+from .functional._step import State
+from .optim._guard import counters
+from .optim._update import STATE_KEYS, state_items
 
 PathLike = str | os.PathLike
 

@@ -11,7 +11,7 @@ import torch
 import custom_ops
 from custom_ops import _kernels
 from dmuon_fn import get_ns_backend, orthogonalize
-from dmuon_fn._dispatch import choose_triangle_rows, cpu_dispatch
+from dmuon_fn.ns._dispatch import choose_triangle_rows, cpu_dispatch
 
 
 def test_default_cpu_line_names_this_machines_choice(monkeypatch):

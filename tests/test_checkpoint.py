@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 import dmuon_fn as dmuon
 from dmuon_fn._checkpoint import HYPER, _kinds
-from dmuon_fn._dispatch import cpu_dispatch
-from dmuon_fn._update import state_items
+from dmuon_fn.ns._dispatch import cpu_dispatch
+from dmuon_fn.optim._update import state_items
 from tests._dist import run_ranks
 from tests._models import HP, TinyMLP, batch, config_fp32, is_proj, make, meshes, muon_fp32
 

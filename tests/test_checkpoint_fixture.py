@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import dmuon_fn as dmuon
-from dmuon_fn._update import state_from, state_items
+from dmuon_fn.optim._update import state_from, state_items
 from tests._dist import run_ranks
 from tests.test_checkpoint import (
     FN,

@@ -1,4 +1,4 @@
-"""The CPU dispatch is decided from the machine (dmuon_fn/_dispatch.py, proofs/dispatch.md).
+"""The CPU dispatch is decided from the machine (dmuon_fn/ns/_dispatch.py, proofs/dispatch.md).
 
 Both worlds on one machine: the decisions are pure functions of the flags and the measured
 times, so a CPU with and without native bf16 is simulated by the flags and times given to them;
@@ -25,10 +25,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import custom_ops
 import dmuon_fn
 from custom_ops._kernels import _cpu_blocks
-from dmuon_fn import _dispatch
-from dmuon_fn._cost import ns_flops
-from dmuon_fn._dispatch import CpuDispatch, choose_aspect, choose_dtype, choose_strips
-from dmuon_fn._partition import FLOPS_PER_BYTE
+from dmuon_fn.ns import _dispatch
+from dmuon_fn.ns._cost import ns_flops
+from dmuon_fn.ns._dispatch import CpuDispatch, choose_aspect, choose_dtype, choose_strips
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE
 from tests._dist import run_ranks
 
 AVX2 = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
@@ -147,8 +147,8 @@ def test_flags_decide_native_bf16():
 
 _REAL = """
 import torch
-from dmuon_fn import _dispatch
-from dmuon_fn._cost import ns_flops
+from dmuon_fn.ns import _dispatch
+from dmuon_fn.ns._cost import ns_flops
 d = _dispatch.measure()
 print(d.dtype, "|", d.why)
 """

@@ -1,4 +1,4 @@
-"""Muon(gather_in_step=True): the next forward's gathers issued inside the step (dmuon_fn/_optim.py,
+"""Muon(gather_in_step=True): the next forward's gathers issued inside the step (dedicated/_muon.py,
 proofs/prefetch.md claim 9). The parity with it off, bit for bit and with one collective order
 per group, is in tests/test_prefetch.py (the "N+step" depths); here: a checkpoint loaded between
 the step and the forward, a parameter changed there (an error on its owner, not a silent

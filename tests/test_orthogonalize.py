@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmuon_fn import _iteration as iteration_module
-from dmuon_fn import _orthogonalize as orth_module
 from dmuon_fn import orthogonalize
-from dmuon_fn._coefficients import PRESETS, schedule
-from dmuon_fn._cost import default_restarts
-from dmuon_fn._orthogonalize import NSConfig, orthogonalize_with
+from dmuon_fn.ns import _iteration as iteration_module
+from dmuon_fn.ns import _orthogonalize as orth_module
+from dmuon_fn.ns._coefficients import PRESETS, schedule
+from dmuon_fn.ns._cost import default_restarts
+from dmuon_fn.ns._orthogonalize import NSConfig, orthogonalize_with
 from tests._tolerance import NS_LOW_PRECISION, PRODUCT, rel_err
 
 ASPECTS = [0.25, 0.5, 1.0, 1.5, 2.0, 4.0, 8.0]
@@ -374,7 +374,7 @@ def test_dtype_and_shape_preserved(dtype, shape):
     assert out.dtype == dtype and out.shape == G.shape
     ref = orthogonalize(G.double(), dtype=torch.float64)
     # float64 input iterates in float64; others in the machine's default, bf16 or fp32
-    # (dmuon_fn/_dispatch.py; output cast included)
+    # (dmuon_fn/ns/_dispatch.py; output cast included)
     assert rel_err(out, ref) < (1e-12 if dtype == torch.float64 else NS_LOW_PRECISION)
 
 
@@ -455,7 +455,7 @@ def test_low_precision_gram_refuses_small_matrices():
 
 
 def test_auto_picks_the_measured_method():
-    from dmuon_fn._cost import ns_method
+    from dmuon_fn.ns._cost import ns_method
 
     assert ns_method((1024, 4096)) == "gram" and ns_method((4096, 1024)) == "gram"
     assert ns_method((1024, 1535)) == "standard" and ns_method((1024, 1536)) == "gram"

@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops  # noqa: F401  (registers dmuon::lpt_partition)
 from custom_ops import _lpt
-from dmuon_fn._cost import ns_flops
-from dmuon_fn._partition import FLOPS_PER_BYTE, layer_keys, param_cost, partition
+from dmuon_fn.ns._cost import ns_flops
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE, layer_keys, param_cost, partition
 
 ROOT = Path(__file__).resolve().parents[1]
 PROPS = settings(max_examples=100, deadline=None)
@@ -152,7 +152,7 @@ _DIGEST_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from tests.test_partition import gpt2, llama
-from dmuon_fn._partition import partition
+from dmuon_fn.planning._partition import partition
 named = {**gpt2(), **llama(layers=4)}
 print(partition(named, 8).digest(), partition(named, 16, replicate_size=4).digest())
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dmuon_fn._partition import partition
-from dmuon_fn._plan_check import PlanMismatchError, check_plan_consistent, param_hashes
+from dmuon_fn.planning._check import PlanMismatchError, check_plan_consistent, param_hashes
+from dmuon_fn.planning._partition import partition
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Grouped, prefetched gathers and asynchronous reduces (dmuon_fn/_schedule.py,
+"""Grouped, prefetched gathers and asynchronous reduces (dmuon_fn/dedicated/_schedule.py,
 proofs/prefetch.md): the same results with prefetch on and off, one collective order on every
 rank, accumulation without traffic, and what the exposed-communication timer counts.
 

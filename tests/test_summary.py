@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dmuon_fn
-from dmuon_fn._cost import ns_flops
-from dmuon_fn._partition import partition
-from dmuon_fn._state import STATE_ATTR, DedicatedState
-from dmuon_fn._summary import plan_summary
+from dmuon_fn.dedicated._state import STATE_ATTR, DedicatedState
+from dmuon_fn.ns._cost import ns_flops
+from dmuon_fn.planning._partition import partition
+from dmuon_fn.planning._summary import plan_summary
 
 PROPS = settings(max_examples=100, deadline=None)
 

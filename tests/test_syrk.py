@@ -21,7 +21,7 @@ def _ref(A, C, alpha, beta):
     return out if C is None else out + beta * C.double()
 
 
-# A strip table for the strip-path tests, whatever this machine measured (dmuon_fn/_dispatch.py).
+# A strip table for the strip-path tests, whatever this machine measured (dmuon_fn/ns/_dispatch.py).
 STRIPS = ((256, 2), (768, 4))
 
 

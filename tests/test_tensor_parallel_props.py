@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmuon_fn._orthogonalize import NSConfig, orthogonalize_with
-from dmuon_fn._partition import partition
-from dmuon_fn._tensor_parallel import TensorLayout, chunk_sizes
-from dmuon_fn._update import MuonState, muon_apply, muon_momentum, muon_update
+from dmuon_fn.ns._orthogonalize import NSConfig, orthogonalize_with
+from dmuon_fn.optim._update import MuonState, muon_apply, muon_momentum, muon_update
+from dmuon_fn.planning._partition import partition
+from dmuon_fn.tp._layout import TensorLayout, chunk_sizes
 
 
 @given(st.integers(1, 300), st.integers(1, 16))

@@ -21,9 +21,9 @@ import torch
 from _timing import machine
 
 import dmuon_fn
-from dmuon_fn._cost import ns_flops, ns_method
-from dmuon_fn._dispatch import gram_min_aspect
-from dmuon_fn._partition import FLOPS_PER_BYTE, param_cost
+from dmuon_fn.ns._cost import ns_flops, ns_method
+from dmuon_fn.ns._dispatch import gram_min_aspect
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE, param_cost
 
 SHAPES = [
     (128, 128), (256, 256), (512, 512), (1024, 1024), (1536, 1536),

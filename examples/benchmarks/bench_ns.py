@@ -3,7 +3,7 @@
 For 512×2048 and 1024×4096 (Polar Express, 5 steps) prints, measured side by side in one run:
 - the four candidates bf16/fp32 iterates × standard/Gram NS (`orthogonalize(dtype=, method=)`),
   each with its error ‖O − U·Vᵀ‖_F / ‖U·Vᵀ‖_F against the float64 polar factor;
-- the default `orthogonalize(G)` (what dmuon_fn/_dispatch.py decided for this machine);
+- the default `orthogonalize(G)` (what dmuon_fn/ns/_dispatch.py decided for this machine);
 - the previous fixed default (before the dispatch: bf16 iterates, Gram from long/short 1.5,
   strips by a rule measured on one AVX-512 BF16 CPU, reproduced here), unless --no-previous;
 - torch.optim.Muon: one step() on one parameter (Keller coefficients, bf16 NS), and the error
@@ -28,8 +28,8 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import custom_ops._kernels as kernels
 import dmuon_fn
-from dmuon_fn._cost import ns_method
-from dmuon_fn._dispatch import gram_min_aspect, iteration_dtype
+from dmuon_fn.ns._cost import ns_method
+from dmuon_fn.ns._dispatch import gram_min_aspect, iteration_dtype
 
 CANDIDATES = [(dt, m) for dt in (torch.bfloat16, torch.float32) for m in ("standard", "gram")]
 KELLER = (3.4445, -4.775, 2.0315)

@@ -30,7 +30,7 @@ import re
 import time
 from pathlib import Path
 
-from dmuon_fn._partition import Plan, partition
+from dmuon_fn.planning._partition import Plan, partition
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = ROOT.parent / "shared" / "data" / "model_shapes"

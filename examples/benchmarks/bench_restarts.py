@@ -4,7 +4,7 @@ For random spectra (log-spaced to 1e-6, rank-deficient, rank-1 plus noise, a 'cl
 levels, Gaussian), sizes 2..192 rows and aspect 1.5..8, prints per restart schedule and size
 band: how often Gram NS lands more than 0.02 above standard NS's error against the float64
 polar factor, how often it diverges (error > 1), and the worst gap. The default
-(`dmuon_fn._cost.default_restarts`, with GRAM_MIN_SHORT) comes from this table.
+(`dmuon_fn.ns._cost.default_restarts`, with GRAM_MIN_SHORT) comes from this table.
 Run: python examples/benchmarks/bench_restarts.py [--trials 200]
 """
 
@@ -79,8 +79,8 @@ def main() -> None:
 
 def _small_gram(G: torch.Tensor, sched: tuple[int, ...]) -> torch.Tensor:
     """bf16 Gram NS below GRAM_MIN_SHORT, which `orthogonalize` refuses: same ops, run directly."""
-    from dmuon_fn._coefficients import schedule
-    from dmuon_fn._iteration import gram, normalize
+    from dmuon_fn.ns._coefficients import schedule
+    from dmuon_fn.ns._iteration import gram, normalize
 
     tall = G.shape[0] > G.shape[1]
     X = normalize(G.T.contiguous() if tall else G, 1e-7).bfloat16()

@@ -30,7 +30,7 @@ import torch
 from _timing import machine
 
 import dmuon_fn
-from dmuon_fn._dispatch import iteration_dtype
+from dmuon_fn.ns._dispatch import iteration_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = ROOT.parent / "shared" / "data" / "model_shapes"
@@ -110,7 +110,7 @@ def main() -> None:
         "GEMM, Gram NS from long/short >= 1.5, a GPU's ratio); seconds = the busiest rank's "
         "FLOPs / the rate: the Newton-Schulz time Muon adds to a step if nothing hides it, a "
         "floor (smaller GEMMs run below the rate, and each call has a fixed cost: ~2 ms on a "
-        "CPU, dmuon_fn/_partition.py). bound = max(largest matrix, mean): no partition's "
+        "CPU, dmuon_fn/planning/_partition.py). bound = max(largest matrix, mean): no partition's "
         "busiest rank has less.",
     ]
     for all_matrices, title in (

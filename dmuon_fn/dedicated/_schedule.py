@@ -54,9 +54,9 @@ from torch import Tensor
 
 from custom_ops._collectives import reduce_start
 
-from ._comm import blocked
+from ..comm._counters import blocked
+from ..comm._errors import phase
 from ._entries import Entry, Topology
-from ._guard import phase
 
 
 class Group:

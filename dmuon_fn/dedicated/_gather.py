@@ -1,7 +1,7 @@
 """The object API's per-module gather and reduce-to-owner, eager and inside compiled blocks.
 
 `install_hooks` gives every module that holds dedicated parameters a forward pre-hook, which
-takes each one's full value from the scheduler (dmuon_fn/_schedule.py: its unit's gathers,
+takes each one's full value from the scheduler (dmuon_fn/dedicated/_schedule.py: its unit's gathers,
 issued ahead or now) and lets the module compute with it, and a post-hook, which drops it.
 Backward hands the gradient of that value to the scheduler, which sums it onto the owner (the
 broadcast's transpose; a second stage across replicas under HSDP) into the global owner's

@@ -11,7 +11,7 @@ the data mesh, as it dedicates a plain parameter: the owner slot's tensor rank t
 gathers it to the other data ranks of tensor column t, and receives its gradient. The module
 computes with `TensorLayout.to_module(part)`: the DTensor it held before (a plain tensor stays
 plain). Muon orthogonalizes each matrix once in the job: on the tensor rank `root` of its owner
-slot, with the parts gathered there and the update's parts sent back (dmuon_fn/_tp_exchange.py).
+slot, with the parts gathered there and the update's parts sent back (dmuon_fn/tp/_exchange.py).
 """
 
 from __future__ import annotations

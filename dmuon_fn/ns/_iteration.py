@@ -1,7 +1,7 @@
 """The Newton-Schulz iterations themselves, on an already normalized iterate.
 
-`orthogonalize` (dmuon_fn/_orthogonalize.py) normalizes, picks the method and dtype, and calls
-these; the CPU dispatch (dmuon_fn/_dispatch.py) times them to decide what `orthogonalize` picks.
+`orthogonalize` (dmuon_fn/ns/_orthogonalize.py) normalizes, picks the method and dtype, and calls
+these; the CPU dispatch (dmuon_fn/ns/_dispatch.py) times them to decide what `orthogonalize` picks.
 Steps 2-4 and the two iterations of the algorithm in _orthogonalize.py's docstring.
 """
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from custom_ops._lpt import SPREAD_TOLERANCE, schedule
 
-from ._cost import GRAM_MIN_ASPECT, ns_flops
+from ..ns._cost import GRAM_MIN_ASPECT, ns_flops
 
 # Default FLOP-equivalents charged per byte of a parameter. The two-term fit
 # time ≈ α·FLOPs + β·bytes of `orthogonalize` on this CPU gives β/α ≈ 1300
@@ -283,8 +283,8 @@ def partition(
     elementwise: names updated elementwise (AdamW) though they have >= 2 dims (embeddings,
         heads), costed by size.
     steps, method, sym_discount, gram_min_aspect: as `orthogonalize` will run (see
-        `dmuon_fn._cost.ns_flops`; dedicate_params and plan pass the ratio the job's dispatch
-        measured, dmuon_fn/_dispatch.py).
+        `dmuon_fn.ns._cost.ns_flops`; dedicate_params and plan pass the ratio the job's dispatch
+        measured, dmuon_fn/ns/_dispatch.py).
     bytes_per_elem, flops_per_byte: the byte term (fp32 master: 4 bytes).
     refine: False gives plain LPT (the baseline); True adds refinement, layer spreading and
         byte balance (custom_ops/_lpt.py, steps 2-4).

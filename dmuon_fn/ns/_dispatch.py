@@ -24,7 +24,7 @@ file whose identity, format or values do not check out is measured again and rew
 process measures at a time (a lock), so ranks starting together wait and read its result.
 
 A job must run one choice on every rank, whatever each rank's timings say: `agree(group)` sends
-rank 0's choice (JSON in a uint8 tensor, dmuon_fn/_exchange.py) and every rank installs it;
+rank 0's choice (JSON in a uint8 tensor, dmuon_fn/comm/_exchange.py) and every rank installs it;
 `dedicate_params` and `plan` call it before planning, and the setup check compares the result.
 
 CUDA: bf16 iterates on devices with native bf16 (sm_80+), else fp16; Gram from long/short >=
@@ -56,9 +56,9 @@ import torch.distributed as dist
 
 import custom_ops
 
+from ..comm._exchange import broadcast_json
 from ._coefficients import schedule
 from ._cost import GRAM_MIN_ASPECT, default_restarts
-from ._exchange import broadcast_json
 from ._iteration import gram, normalize, standard
 
 FORMAT = 1  # of the cache files and of the identity; bump when the procedure changes

@@ -7,7 +7,7 @@ Param groups (usable with torch.optim.lr_scheduler):
   replicas at the end of `step()` (in the background with `replicate_async`). Under tensor
   parallelism every tensor rank of the owner updates its part, and the one exchange the design
   needs, each matrix's Newton-Schulz input gathered to one of them and the result's parts sent
-  back, runs first (dmuon_fn/_tp_exchange.py).
+  back, runs first (dmuon_fn/tp/_exchange.py).
 - "adamw": everything else: FSDP2 shards (DTensor, updated shard-locally), dedicated
   non-matrices (pure routing, updated by their owner), and plain parameters on a world of one.
 Every rank holds a state entry with the same keys for every parameter (0-size placeholders where
@@ -41,14 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _fsdp_adapter as fsdp
-from . import _guard as guard
-from ._dispatch import setup_field
-from ._orthogonalize import NSConfig
-from ._plan_check import check_setup_consistent, kernel_field
-from ._state import DedicatedState, dedicated_state
-from ._tp_exchange import TensorExchange
-from ._update import (
+from ..ns._dispatch import setup_field
+from ..ns._orthogonalize import NSConfig
+from ..optim import _guard as guard
+from ..optim._update import (
     AdamWState,
     MuonState,
     adamw_init,
@@ -60,6 +56,10 @@ from ._update import (
     state_from,
     state_items,
 )
+from ..planning._check import check_setup_consistent, kernel_field
+from ..tp._exchange import TensorExchange
+from . import _fsdp_adapter as fsdp
+from ._state import DedicatedState, dedicated_state
 
 
 class Muon(torch.optim.Optimizer):
@@ -268,7 +268,7 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_split(self, items, ok) -> TensorExchange:
         """Tensor parallelism: each dedicated matrix's momentum on every tensor rank of its
-        owner slot, then its Newton-Schulz once, on its root (dmuon_fn/_tp_exchange.py)."""
+        owner slot, then its Newton-Schulz once, on its root (dmuon_fn/tp/_exchange.py)."""
         ex = TensorExchange(self.ns)
         for group, p in items:
             e = self.st.entry(p)

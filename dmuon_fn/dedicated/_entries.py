@@ -8,7 +8,7 @@ Who holds what (G ranks in the shard group, R replicas under HSDP):
   rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
 - under tensor parallelism "the parameter" is this tensor rank's part of it (`Entry.tp`): every
   tensor rank of the global owner holds its part's master and state, and one of them (the
-  layout's `root`) runs the matrix's Newton-Schulz (dmuon_fn/_tensor_parallel.py).
+  layout's `root`) runs the matrix's Newton-Schulz (dmuon_fn/tp/_layout.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._comm import blocked
-from ._guard import phase
-from ._tensor_parallel import TensorLayout
+from ..comm._counters import blocked
+from ..comm._errors import phase
+from ..tp._layout import TensorLayout
 
 
 @dataclass(eq=False)
@@ -37,13 +37,13 @@ class Entry:
     owner_replica: int
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
     publish: dist.Work | None = None
-    # one per module slot of the entry (custom_ops._handles; dmuon_fn/_gather.py's `Slot`),
+    # one per module slot of the entry (custom_ops._handles; dedicated/_gather.py's `Slot`),
     # naming it to dmuon::param_gather/param_reduce: each requires grad as `param` does, and
     # backward sets its .grad when it reaches that slot's gather
     handles: list[torch.Tensor] = field(default_factory=list)
     device: torch.device | None = None  # param's: compiled hooks read this, never `param`
     # tensor parallelism: `shape` and `param` are this tensor rank's part of the parameter, whose
-    # layout (and whole shape) this is (dmuon_fn/_tensor_parallel.py); None without
+    # layout (and whole shape) this is (dmuon_fn/tp/_layout.py); None without
     tp: TensorLayout | None = None
 
     @property

@@ -7,7 +7,7 @@ parameter (32 bits of the name's hash, 32 bits of the (name, shape, owner) hash;
 parallelism the layout and tensor slot join the second). Every rank sees every record, so
 either all ranks return or all raise, naming the first differing parameter.
 
-Records travel as JSON in uint8 tensors (dmuon_fn/_exchange.py), never pickled.
+Records travel as JSON in uint8 tensors (dmuon_fn/comm/_exchange.py), never pickled.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import custom_ops
 
-from ._exchange import all_gather_json
+from ..comm._exchange import all_gather_json
 from ._partition import Plan
 
 

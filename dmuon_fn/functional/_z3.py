@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ._fnplan import FnPlan
+from ._plan import FnPlan
 
 StageFn = Callable[[dict[str, torch.Tensor], Any, Any], Any]
 Stage = tuple[Sequence[str], StageFn]

@@ -14,7 +14,7 @@ full parameter on its local owners and a 0-size placeholder elsewhere; dmuon::ow
 gathers every parameter before the differentiated loss, and dmuon::two_stage_reduce (its
 transpose) leaves the data-parallel mean gradient on the global owner (zeros shaped like the
 slot elsewhere). Given stages [(names, fn), ...] instead of one loss, value_and_grad gathers per
-stage and again in backward (Z3, dmuon_fn._functional_z3). Under HSDP `update` publishes the new
+stage and again in backward (Z3, dmuon_fn.functional._z3). Under HSDP `update` publishes the new
 values to the other replicas' local owners.
 Rank-specific choices (who owns what) are Python constants of the plan, so each rank compiles
 its own graph once; lr, weight decay and step counts are 0-d tensors and never recompile.
@@ -32,16 +32,16 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _fsdp_adapter as fsdp
-from . import _guard as guard
-from ._dispatch import agreed_aspect, gram_min_aspect, setup_field
-from ._fnplan import FnPlan
-from ._functional_z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
-from ._mesh import check_dtypes, check_meshes, master_dtype
-from ._orthogonalize import NSConfig
-from ._partition import partition
-from ._plan_check import check_plan_consistent, check_setup_consistent, kernel_field
-from ._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
+from ..comm._mesh import check_dtypes, check_meshes, master_dtype
+from ..dedicated import _fsdp_adapter as fsdp
+from ..ns._dispatch import agreed_aspect, gram_min_aspect, setup_field
+from ..ns._orthogonalize import NSConfig
+from ..optim import _guard as guard
+from ..optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
+from ..planning._check import check_plan_consistent, check_setup_consistent, kernel_field
+from ..planning._partition import partition
+from ._plan import FnPlan
+from ._z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def value_and_grad(
 
     A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None for the first
     stage, the loss from the last), runs Z3: each stage's parameters are gathered for its
-    forward, freed, and gathered again for its backward (dmuon_fn._functional_z3); the results
+    forward, freed, and gathered again for its backward (dmuon_fn.functional._z3); the results
     equal the Z2 form's to fp32 rounding. prefetch=1 (default): each stage's gathers and
     reduces are issued one stage ahead and overlap its neighbour's computation (two adjacent
     stages' copies at a time); 0: issued when needed, blocking (one stage at a time).

@@ -1,5 +1,5 @@
 """What `dedicate_params` attaches to a model: the plan, the entries, the scheduler that moves
-them, and the HSDP publish after each step (dmuon_fn/_entries.py says who holds what).
+them, and the HSDP publish after each step (dmuon_fn/dedicated/_entries.py says who holds what).
 
 After the optimizer step (HSDP), the global owner publishes the new value, in the model dtype,
 to the local owners of the other replicas; with `replicate_async` the publish runs in the
@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm._errors import phase
+from ..planning._partition import Plan
+from ..tp._layout import TensorMesh
 from ._entries import Entry, Topology
-from ._guard import phase
-from ._partition import Plan
 from ._schedule import Scheduler
-from ._tensor_parallel import TensorMesh
 
 STATE_ATTR = "_dmuon_state"
 
@@ -31,7 +31,7 @@ class DedicatedState(Topology):
     entries: list[Entry] = field(default_factory=list)
     scheduler: Scheduler | None = None
     by_param: dict[int, Entry] = field(default_factory=dict)
-    tensor: TensorMesh | None = None  # the tensor-parallel ranks (dmuon_fn/_tensor_parallel.py)
+    tensor: TensorMesh | None = None  # the tensor-parallel ranks (dmuon_fn/tp/_layout.py)
 
     def entry(self, p: torch.Tensor) -> Entry | None:
         return self.by_param.get(id(p))

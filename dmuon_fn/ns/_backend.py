@@ -29,7 +29,7 @@ def get_ns_backend(
     dtype: torch.dtype | None = None,
 ) -> str:
     """One line naming the NS method, the SYRK kernel and the iteration dtype that will run,
-    and why (dmuon_fn/_dispatch.py: what this machine measured or its flags decided).
+    and why (dmuon_fn/ns/_dispatch.py: what this machine measured or its flags decided).
 
     device: defaults to the current CUDA device, else the CPU. `kernel` resolves exactly as in
     `orthogonalize` (explicit > $DMUON_NS_KERNEL > auto), so the line names the kernel that runs;

@@ -38,7 +38,7 @@ _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def default_iteration_dtype(
     device: torch.device | str, input_dtype: torch.dtype | None = None
 ) -> torch.dtype:
-    """The device's iteration dtype, chosen for the machine (dmuon_fn/_dispatch.py: bf16 where
+    """The device's iteration dtype, chosen for the machine (dmuon_fn/ns/_dispatch.py: bf16 where
     its GEMMs are natively fast, else fp32 on a CPU; bf16 on sm_80+ GPUs); float64 input (a
     reference computation) stays float64."""
     if input_dtype == torch.float64:

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 # Gram NS wins once long/short >= this with symmetric GPU kernels (the Gram Newton-Schulz
 # authors' measurement; DESIGN.md: "cols/rows ≳ 1.5"). A CPU's ratio is measured on the machine
-# (dmuon_fn/_dispatch.py); this is the default of the pure functions here and of `partition`.
+# (dmuon_fn/ns/_dispatch.py); this is the default of the pure functions here and of `partition`.
 GRAM_MIN_ASPECT = 1.5
 # ... and once the short side has at least this many rows. Below it the bf16 Gram iteration can
 # diverge (seen at 2..12 rows, never at >= 16 in 1,100 random spectra; BENCHMARKS.md), and such

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import _default_device
-from ._dispatch import iteration_dtype, race
+from ..ns._backend import _default_device
+from ..ns._dispatch import iteration_dtype, race
 from ._partition import Plan
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
@@ -266,7 +266,7 @@ def measure_gemm_flops(
     smaller, some symmetric).
 
     device: default the current CUDA device, else the CPU. dtype: default the NS iteration dtype
-    the dispatch picks there (dmuon_fn/_dispatch.py; on a CPU, the first use on a machine
+    the dispatch picks there (dmuon_fn/ns/_dispatch.py; on a CPU, the first use on a machine
     measures that once, ~1 s, then it is cached). n: default 1024 on a CPU (~0.1 s on 2 cores in
     fp32), 8192 on CUDA (large enough to reach a GPU's GEMM rate).
     """

@@ -1,9 +1,9 @@
 """dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
 
-Who holds what is in dmuon_fn/_entries.py; how parameters move (grouped per layer and owner,
+Who holds what is in dedicated/_entries.py; how parameters move (grouped per layer and owner,
 prefetched in the recorded module order, gradients reduced asynchronously) in
-dmuon_fn/_schedule.py; the hooks that take and give back the values, eager and compiled, in
-dmuon_fn/_gather.py.
+dedicated/_schedule.py; the hooks that take and give back the values, eager and compiled, in
+dedicated/_gather.py.
 
 - forward: right before a module that uses the parameter runs, its full value (broadcast by its
   local owner to the shard group, in the model dtype or `param_dtype`) is set on the module;
@@ -28,19 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from custom_ops._collectives import broadcast_into
 
-from . import _fsdp_adapter as fsdp
-from ._dispatch import agreed_aspect
-from ._entries import Entry
-from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
-from ._guard import phase
-from ._mesh import check_dtypes, check_meshes, master_dtype, own_group
-from ._partition import layer_keys, partition
-from ._plan_check import check_plan_consistent
-from ._schedule import Scheduler, make_groups, make_units
-from ._state import STATE_ATTR, DedicatedState, dedicated_state
-from ._summary import PlanSummary
-from ._summary import plan_summary as _summarize
-from ._tensor_parallel import (
+from ..comm._errors import phase
+from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group
+from ..ns._dispatch import agreed_aspect
+from ..planning._check import check_plan_consistent
+from ..planning._partition import layer_keys, partition
+from ..planning._summary import PlanSummary
+from ..planning._summary import plan_summary as _summarize
+from ..tp._layout import (
     TensorMesh,
     check_crossing,
     find_tensor_mesh,
@@ -48,6 +43,11 @@ from ._tensor_parallel import (
     make_layout,
     part_of,
 )
+from . import _fsdp_adapter as fsdp
+from ._entries import Entry
+from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
+from ._schedule import Scheduler, make_groups, make_units
+from ._state import STATE_ATTR, DedicatedState, dedicated_state
 
 Predicate = Callable[[str, nn.Parameter], bool]
 __all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state", "plan_summary"]
@@ -77,12 +77,12 @@ def dedicate_params(
     prefetch: how many layers' gathers travel ahead of the one computing (in the module order
         of the last forward; Z3 backward: its re-gathers, in reverse). 0: every gather and
         reduce runs when needed, blocking (nothing overlaps). Memory: up to prefetch + 1 layers'
-        gathered copies at a time (dmuon_fn/_schedule.py).
+        gathered copies at a time (dmuon_fn/dedicated/_schedule.py).
     Tensor parallelism: apply `parallelize_module` over a 1-D tensor mesh first (mesh then is
         the data dim of the same mesh: ('dp', 'tp'), or ('replicate', 'shard', 'tp') for HSDP).
         Each tensor rank's part of a parameter is dedicated over the data ranks of its tensor
         column, the module computes with the DTensor it had, and Muon orthogonalizes each matrix
-        once, on one tensor rank of its owner (dmuon_fn/_tensor_parallel.py).
+        once, on one tensor rank of its owner (dmuon_fn/tp/_layout.py).
     Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP (with
     tensor parallelism the owner's data coordinate; `plan.tensor_slot(name)` its root tensor
     rank).
@@ -293,7 +293,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 
 
 def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSummary:
-    """The readable plan (dmuon_fn/_summary.py) of a model prepared by `dedicate_params`, of an
+    """The readable plan (planning/_summary.py) of a model prepared by `dedicate_params`, of an
     `FnPlan` (from `plan`), or of a `Plan` (from `partition`). gemm_flops: FLOP/s of one
     device's GEMM in the NS iteration dtype (`measure_gemm_flops()`, or e.g. 4e14 for an H100
     in bf16) adds the busiest rank's Newton-Schulz seconds per step."""

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._comm import blocked
-from ._entries import Entry
-from ._guard import phase
-from ._orthogonalize import NSConfig, orthogonalize_with
+from ..comm._counters import blocked
+from ..comm._errors import phase
+from ..dedicated._entries import Entry
+from ..ns._orthogonalize import NSConfig, orthogonalize_with
 
 TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its scatter
 

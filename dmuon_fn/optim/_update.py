@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._orthogonalize import NSConfig, orthogonalize_with
+from ..ns._orthogonalize import NSConfig, orthogonalize_with
 
 Scalar = float | Tensor
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._partition import Plan
-from ._summary import PlanSummary, plan_summary
+from ..planning._partition import Plan
+from ..planning._summary import PlanSummary, plan_summary
 
 Route = tuple[int, int, int, int, int, int]
 
