@@ -161,8 +161,7 @@ def dedicate_params(
     new_params: dict[int, nn.Parameter] = {}
     for pid, names in seen.items():
         old = part_of(params[pid])  # (tensor parallelism: this tensor rank's part)
-        owner = plan.owner(names[0])
-        shard, rep = owner if isinstance(owner, tuple) else (owner, 0)
+        shard, rep = plan.coords(plan.slot(names[0]))
         dt = param_dtype or old.dtype
         e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
         if tp is not None:

@@ -37,13 +37,7 @@ class DedicatedState(Topology):
         return self.by_param.get(id(p))
 
     def owners(self) -> dict[str, int | tuple[int, int]]:
-        out: dict[str, int | tuple[int, int]] = {}
-        for e in self.entries:
-            for n in e.names:
-                out[n] = (
-                    e.owner_shard if self.replicate_size == 1 else (e.owner_shard, e.owner_replica)
-                )
-        return out
+        return {n: self.plan.owner(e.name) for e in self.entries for n in e.names}
 
     def wait_publish(self, e: Entry) -> None:
         e.wait_publish()

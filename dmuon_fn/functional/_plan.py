@@ -10,8 +10,7 @@ import torch
 
 from ..planning._partition import Plan
 from ..planning._summary import PlanSummary, plan_summary
-
-Route = tuple[int, int, int, int, int, int]
+from ..planning._view import RankView, Route
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,9 @@ class FnPlan:
     shapes: tuple[tuple[int, ...], ...]
     muon: frozenset[str]
     trainable: frozenset[str]  # requires_grad at plan time; `update` leaves the rest as they are
-    routes: tuple[Route, ...]  # per name: (src, is_src, G, rep_src, is_rep_src, R)
+    view: RankView  # the job's plan, seen from this rank
     group: str
     rep_group: str
-    shard_size: int
-    replicate_size: int
-    partition: Plan
     # mixed precision (None: the model dtype throughout, no separate master)
     param_dtype: torch.dtype | None = None  # what is gathered and computed with
     reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
@@ -49,15 +45,26 @@ class FnPlan:
     def __str__(self) -> str:
         return str(self.summary())
 
+    @property
+    def partition(self) -> Plan:
+        return self.view.plan
+
+    @property
+    def shard_size(self) -> int:
+        return self.view.plan.shard_size
+
+    @property
+    def replicate_size(self) -> int:
+        return self.view.plan.replicate_size
+
     def route(self, name: str) -> Route:
-        return self.routes[self.names.index(name)]
+        return self.view.route(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[self.names.index(name)]
 
     def is_local_owner(self, name: str) -> bool:
-        return bool(self.route(name)[1])
+        return self.view.is_local_owner(name)
 
     def is_global_owner(self, name: str) -> bool:
-        r = self.route(name)
-        return bool(r[1] and r[4])
+        return self.view.is_global_owner(name)

@@ -40,6 +40,7 @@ from ..optim import _guard as guard
 from ..optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 from ..planning._check import check_plan_consistent, check_setup_consistent, kernel_field
 from ..planning._partition import partition
+from ..planning._view import RankView
 from ._plan import FnPlan
 from ._z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 
@@ -152,22 +153,14 @@ def plan(
     )
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
-    routes = []
-    for n, _ in named:
-        owner = part.owner(n)
-        s, r = owner if isinstance(owner, tuple) else (owner, 0)
-        routes.append((s, int(shard_rank == s), G, r, int(rep_rank == r), R))
     return FnPlan(
         names=tuple(n for n, _ in named),
         shapes=tuple(shapes[n] for n, _ in named),
         muon=muon,
         trainable=frozenset(n for n, p in named if p.requires_grad),
-        routes=tuple(routes),
+        view=RankView(part, shard_rank, rep_rank),
         group=group,
         rep_group=rep_group,
-        shard_size=G,
-        replicate_size=R,
-        partition=part,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
     )

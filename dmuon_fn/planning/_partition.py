@@ -24,7 +24,6 @@ into one unit, so they travel with one owner. Layers are found by name (`layer_k
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import math
@@ -147,7 +146,10 @@ class Plan:
         return self.world_size // self.replicate_size
 
     def _index(self, name: str) -> int:
-        i = bisect.bisect_left(self.names, name)
+        i, hi = 0, len(self.names)  # bisect_left, in Python so that dynamo traces it
+        while i < hi:
+            mid = (i + hi) // 2
+            i, hi = (mid + 1, hi) if self.names[mid] < name else (i, mid)
         if i == len(self.names) or self.names[i] != name:
             raise KeyError(f"{name!r} is not in the plan ({len(self.names)} parameters)")
         return i
@@ -156,12 +158,17 @@ class Plan:
         """Owner slot of `name` in [0, world_size)."""
         return self.slots[self._index(name)]
 
+    def coords(self, slot: int) -> tuple[int, int]:
+        """(shard, replica) of `slot`: slot = replica · shard_size + shard."""
+        return slot % self.shard_size, slot // self.shard_size
+
+    def label(self, slot: int) -> int | tuple[int, int]:
+        """`slot` as users name owners: the rank (1-D mesh), or (shard, replica) under HSDP."""
+        return slot if self.replicate_size == 1 else self.coords(slot)
+
     def owner(self, name: str) -> int | tuple[int, int]:
         """Owner rank of `name` (1-D mesh), or its (shard, replicate) coordinates under HSDP."""
-        s = self.slot(name)
-        if self.replicate_size == 1:
-            return s
-        return s % self.shard_size, s // self.shard_size
+        return self.label(self.slot(name))
 
     def tensor_slot(self, name: str) -> int:
         """The tensor-parallel rank of `name`'s owner slot that orthogonalizes it (0 without

@@ -208,7 +208,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     n = len(plan.names)
     flops = list(plan.ns_flops)
     total = math.fsum(flops)
-    G, R = plan.shard_size, plan.replicate_size
+    R = plan.replicate_size
     members: list[list[int]] = [[] for _ in range(plan.world_size)]
     for i, s in enumerate(plan.slots):
         members[s].append(i)
@@ -226,7 +226,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         rows.append(
             SlotSummary(
                 slot=s,
-                owner=s if R == 1 else (s % G, s // G),
+                owner=plan.label(s),
                 matrices=tuple(plan.names[i] for i in mats),
                 others=len(mine) - len(mats),
                 ns_flops=ns,
