@@ -288,7 +288,14 @@ def main() -> None:
     ap.add_argument("--pure", action="store_true", help="dedicate the norms too (no FSDP2)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a before/after check: --rates 1gbit --steps 4 --warmup 1",
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.rates, args.steps, args.warmup = "1gbit", 4, 1
     if args.worker:
         worker(args)
         return
