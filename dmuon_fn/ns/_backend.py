@@ -9,8 +9,7 @@ import torch
 import custom_ops
 
 from ._cost import GRAM_MIN_SHORT, ns_method
-from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype
-from ._orthogonalize import kernel_choice
+from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype, kernel_choice
 
 
 def _default_device() -> torch.device:
