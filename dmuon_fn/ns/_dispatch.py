@@ -161,11 +161,6 @@ _DTYPE: torch.dtype | None = None
 _ASPECT: float | None = None
 
 
-def _cache_file(ident: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
-    return custom_ops.cache_dir() / "dispatch" / f"cpu-{digest}.json"
-
-
 def _read(path: Path, ident: dict) -> CpuDispatch | None:
     """The cached choice, or None if the file is missing, unreadable, for another identity or
     format, or holds values that do not check out."""
@@ -178,16 +173,11 @@ def _read(path: Path, ident: dict) -> CpuDispatch | None:
         return None
 
 
-def _write(path: Path, ident: dict, d: CpuDispatch) -> None:
-    body = json.dumps({"identity": ident, "dispatch": d.to_json()}, indent=1, sort_keys=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.write(body + "\n")
-    os.replace(f.name, path)
-
-
 def _load_or_measure() -> CpuDispatch:
+    """The cached choice of this machine's identity, else `measure()` written to the cache."""
     ident = identity()
-    path = _cache_file(ident)
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    path = custom_ops.cache_dir() / "dispatch" / f"cpu-{digest}.json"
     try:
         with custom_ops.locked(path.with_suffix(".lock")):
             found = _read(path, ident)
@@ -195,7 +185,12 @@ def _load_or_measure() -> CpuDispatch:
                 return found
             _log.info("dmuon_fn: measuring this CPU's Newton-Schulz dispatch once (%s)", path)
             d = measure()
-            _write(path, ident, d)
+            body = {"identity": ident, "dispatch": d.to_json()}
+            with tempfile.NamedTemporaryFile(
+                "w", dir=path.parent, delete=False, suffix=".tmp"
+            ) as f:
+                f.write(json.dumps(body, indent=1, sort_keys=True) + "\n")
+            os.replace(f.name, path)  # readers see the old file or the new one, never half
             return d
     except OSError as e:  # an unwritable cache: measure for this process only
         _log.warning("dmuon_fn: CPU dispatch cache unusable (%s); measuring in memory", e)
