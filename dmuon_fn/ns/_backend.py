@@ -9,16 +9,14 @@ import torch
 import custom_ops
 
 from ._cost import GRAM_MIN_SHORT, ns_method
-from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype
-from ._orthogonalize import kernel_choice
+from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype, kernel_choice
 
 
 def _default_device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else (torch.device("cpu"))
-    )
+    """The current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def get_ns_backend(
@@ -29,7 +27,7 @@ def get_ns_backend(
     dtype: torch.dtype | None = None,
 ) -> str:
     """One line naming the NS method, the SYRK kernel and the iteration dtype that will run,
-    and why (dmuon_fn/ns/_dispatch.py: what this machine measured or its flags decided).
+    and why (what dmuon_fn/ns/_dispatch.py decided for the device, or the argument).
 
     device: defaults to the current CUDA device, else the CPU. `kernel` resolves exactly as in
     `orthogonalize` (explicit > $DMUON_NS_KERNEL > auto), so the line names the kernel that runs;

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-# Gram NS wins once long/short >= this with symmetric GPU kernels (the Gram Newton-Schulz
-# authors' measurement; DESIGN.md: "cols/rows ≳ 1.5"). A CPU's ratio is measured on the machine
-# (dmuon_fn/ns/_dispatch.py); this is the default of the pure functions here and of `partition`.
+# `auto` runs Gram NS from long/short >= GRAM_MIN_ASPECT (GPU default, the Gram Newton-Schulz
+# authors' measurement; a CPU's ratio is measured: _dispatch.py) with a short side >=
+# GRAM_MIN_SHORT (below it low-precision Gram can diverge: proofs/ns_notes.md).
 GRAM_MIN_ASPECT = 1.5
-# ... and once the short side has at least this many rows. Below it the bf16 Gram iteration can
-# diverge (seen at 2..12 rows, never at >= 16 in 1,100 random spectra; BENCHMARKS.md), and such
-# small matrices cost next to nothing either way.
 GRAM_MIN_SHORT = 32
 
 
 def default_restarts(steps: int) -> tuple[int, ...]:
-    """Restart steps for Gram NS: every second step, so no segment runs more than 2 steps.
-
-    For 5 steps this is (2, 4). Measured in bf16 (BENCHMARKS.md, "Gram restarts") over
-    condition numbers 1..1e6, rank-deficient and rank-1-plus-noise input, aspect ratios 2..8 and
-    sizes 12..1024: (2, 4) keeps the error at the standard iteration's level everywhere. A single
-    restart does not: at 2 the error reaches 0.68 where standard NS has 0.14, at 3 a 32×256
-    rank-1-plus-noise matrix diverges (σ_max ~ 1e10), and with none the iteration diverges.
-    """
+    """Restart steps for Gram NS: every second step ((2, 4) for 5 steps), so no segment runs
+    more than 2 steps (why: proofs/ns_notes.md)."""
     return tuple(range(2, steps, 2))
 
 

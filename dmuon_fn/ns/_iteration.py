@@ -1,9 +1,6 @@
-"""The Newton-Schulz iterations themselves, on an already normalized iterate.
-
-`orthogonalize` (dmuon_fn/ns/_orthogonalize.py) normalizes, picks the method and dtype, and calls
-these; the CPU dispatch (dmuon_fn/ns/_dispatch.py) times them to decide what `orthogonalize` picks.
-Steps 2-4 and the two iterations of the algorithm in _orthogonalize.py's docstring.
-"""
+"""The Newton-Schulz iterations (steps 2-4 and both iterations of the algorithm in
+_orthogonalize.py's docstring): X is (..., n, m) with n <= m, already normalized, in the
+iteration dtype; `impl` names the SYRK kernel (custom_ops.KERNELS)."""
 
 from __future__ import annotations
 
@@ -24,18 +21,12 @@ def normalize(
     G: Tensor, eps: float, out_dtype: torch.dtype | None = None, scratch: Tensor | None = None
 ) -> Tensor:
     """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64), returned in
-    `out_dtype` (default: that fp32/fp64).
-
-    max|G| in one aminmax pass (2-D; for a batch, amin and amax over the matrix dims: aminmax
-    over dims or abs().amax run ~3x slower on this CPU), the scaled copy written into `scratch`
-    (a contiguous tensor of G's shape in fp32/fp64; G itself is allowed) or a new tensor, the
-    second division in place, then one cast. Large fresh buffers are what cost here (each new
-    page faults once: ~0.3 ms per MiB on this CPU), so the caller hands in the buffer that later
-    holds its result.
-    """
+    `out_dtype` (default: that fp32/fp64). The scaled copy is written into `scratch` (a
+    contiguous tensor of G's shape in fp32/fp64; G itself is allowed) or a new tensor, the second
+    division in place (why: proofs/ns_notes.md)."""
     dt = torch.promote_types(G.dtype, torch.float32)
     dims = (-2, -1)
-    if G.dim() == 2:  # one pass over G (aminmax over dims is the slow path)
+    if G.dim() == 2:  # one aminmax pass over G (over dims it is the slow path)
         lo, hi = torch.aminmax(G)
         amax = torch.maximum(-lo, hi).reshape(1, 1)
     else:

@@ -25,25 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import custom_ops
-
 from ._coefficients import schedule
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
-from ._dispatch import cuda_triangle_rows, gram_min_aspect, iteration_dtype
+from ._dispatch import gram_min_aspect, iteration_dtype, kernel_choice
 from ._iteration import gram, halves, normalize, plain_eager, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def default_iteration_dtype(
-    device: torch.device | str, input_dtype: torch.dtype | None = None
-) -> torch.dtype:
-    """The device's iteration dtype, chosen for the machine (dmuon_fn/ns/_dispatch.py: bf16 where
-    its GEMMs are natively fast, else fp32 on a CPU; bf16 on sm_80+ GPUs); float64 input (a
-    reference computation) stays float64."""
-    if input_dtype == torch.float64:
-        return torch.float64
-    return iteration_dtype(torch.device(device))
 
 
 @dataclass(frozen=True)
@@ -104,34 +91,8 @@ def orthogonalize(
     G: a matrix or a batch of same-shape matrices (leading dims), any floating dtype.
     Returns the same shape and dtype as G. Each matrix is normalized on its own.
     """
-    cfg = NSConfig(
-        steps=steps,
-        coefficients=coefficients if isinstance(coefficients, str) else tuple(coefficients),
-        method=method,
-        eps=eps,
-        restarts=None if restarts is None else tuple(restarts),
-        kernel=kernel,
-        dtype=dtype,
-    )
+    cfg = NSConfig(steps, coefficients, method, eps, restarts, kernel, dtype)  # validates them
     return orthogonalize_with(G, cfg)
-
-
-@torch.compiler.assume_constant_result
-def kernel_choice(kernel: str | None, device: torch.device, rows: int | None = None) -> str:
-    """The name of the SYRK kernel that runs on `device` (for products of `rows` rows: CUDA's
-    auto rule, measured on first use).
-
-    A host-side decision: it imports optional kernel packages and may time the device, so under
-    torch.compile it runs once at trace time and enters the graph as a constant instead of
-    being traced (a kernel package that fails to import would otherwise fail the compile, not
-    just rule that kernel out). The dtype and Gram ratio are traced as before: dynamo guards
-    on the installed dispatch, so a choice installed later recompiles.
-    """
-    resolved = custom_ops.resolve_kernel(kernel, device)
-    if device.type != "cuda" or resolved is not custom_ops.auto_kernel(device):
-        return resolved.name  # an explicit kernel, or a device without a size rule
-    cuda_triangle_rows(device)  # auto's size rule, measured on first use
-    return custom_ops.resolve_kernel(kernel, device, rows).name
 
 
 def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> Tensor:
@@ -160,7 +121,8 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     tall = G.shape[-2] > G.shape[-1]
     src = G.mT if tall else G  # iterate on the short side
     dt = torch.promote_types(G.dtype, torch.float32)
-    it = cfg.dtype or default_iteration_dtype(G.device, G.dtype)
+    # float64 input (a reference computation) iterates in float64
+    it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
     # In plain eager mode one contiguous buffer holds the normalized copy and, when the iterates
     # are narrower than G, the result. Either way G is transposed before normalizing, into a
     # contiguous layout, so G and Gᵀ give bitwise-transposed results.

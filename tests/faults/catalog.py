@@ -286,8 +286,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "the iteration dtype asked for ignored (the device's used)",
         "dmuon_fn/ns/_orthogonalize.py",
-        "    it = cfg.dtype or default_iteration_dtype(G.device, G.dtype)",
-        "    it = default_iteration_dtype(G.device, G.dtype)",
+        "    it = cfg.dtype or (torch.float64 if",
+        "    it = (torch.float64 if",
         (ORTHO,),
     ),
     Fault(
