@@ -151,18 +151,6 @@ def _plain(x: object) -> object:
     return [_plain(v) for v in x] if isinstance(x, list | tuple) else x
 
 
-def _plan_of(source: object) -> Plan:
-    """The `Plan` of a Plan or of an FnPlan (its `.partition`)."""
-    if isinstance(source, Plan):
-        return source
-    if isinstance(getattr(source, "partition", None), Plan):
-        return source.partition
-    raise ValueError(
-        "plan_summary takes a Plan (from partition), an FnPlan (from plan) or a model "
-        f"prepared by dedicate_params, got {type(source).__name__}"
-    )
-
-
 def _largest(plan: Plan, idx: list[int]) -> dict:
     """largest, largest_shape, largest_ns_flops: the matrix among `idx` with the most NS FLOPs
     (the first in name order on ties), or None, None, 0.0 if `idx` is empty."""
@@ -177,7 +165,13 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     """Per-slot rows and job totals of `plan`, a `Plan` or an `FnPlan`; pure. gemm_flops:
     FLOP/s of one device's GEMM in the NS iteration dtype (`measure_gemm_flops()`, or e.g. 4e14
     for an H100 in bf16) adds seconds per step."""
-    plan = _plan_of(plan)
+    part = getattr(plan, "partition", None)  # an FnPlan's Plan
+    plan = part if isinstance(part, Plan) else plan
+    if not isinstance(plan, Plan):
+        raise ValueError(
+            "plan_summary takes a Plan (from partition), an FnPlan (from plan) or a model "
+            f"prepared by dedicate_params, got {type(plan).__name__}"
+        )
     if gemm_flops is not None:
         positive = "finite and > 0 (FLOP/s, e.g. 4e14)"
         gemm_flops = float(_check("gemm_flops", gemm_flops, lambda v: 0 < v < math.inf, positive))
