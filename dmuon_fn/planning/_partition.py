@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from custom_ops._lpt import SPREAD_TOLERANCE, schedule
+from custom_ops._lpt import slot_loads as per_slot_sums
 
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops
 
@@ -256,18 +257,14 @@ def partition(
         for f, (_, sh) in zip(ns, pairs, strict=True)
     ]
 
-    # Units in order of their first name: each matrix alone, a layer's other params together.
-    unit_of, units, packs = [], [], {}
-    for i, (n, _) in enumerate(pairs):
-        if matrix[i]:
-            unit_of.append(len(units))
-            units.append([i])
-        else:
-            if keys[n] not in packs:
-                packs[keys[n]] = len(units)
-                units.append([])
-            unit_of.append(packs[keys[n]])
-            units[unit_of[-1]].append(i)
+    # Units in order of their first name: each matrix alone (keyed by its index), a layer's
+    # other params together (keyed by the layer).
+    unit_key = [i if matrix[i] else keys[n] for i, (n, _) in enumerate(pairs)]
+    unit_id = {k: u for u, k in enumerate(dict.fromkeys(unit_key))}
+    unit_of = [unit_id[k] for k in unit_key]
+    units: list[list[int]] = [[] for _ in unit_id]
+    for i, u in enumerate(unit_of):
+        units[u].append(i)
     layer_id = {k: j for j, k in enumerate(sorted(set(keys.values())))}
     u_groups = [layer_id[keys[names[u[0]]]] if matrix[u[0]] else -1 for u in units]
     u_costs = [math.fsum(costs[i] for i in u) for u in units]
@@ -290,10 +287,8 @@ def partition(
             layouts = dict.fromkeys(names, "plain")
 
     loads: list[list[float]] = [[] for _ in range(world_size)]
-    sbytes = [0] * world_size
     for i, s in enumerate(slots):
         loads[s].append(costs[i])
-        sbytes[s] += nbytes[i]
     return Plan(
         names=tuple(names),
         shapes=tuple(sh for _, sh in pairs),
@@ -305,7 +300,7 @@ def partition(
         world_size=world_size,
         replicate_size=replicate_size,
         slot_loads=tuple(math.fsum(x) for x in loads),
-        slot_bytes=tuple(sbytes),
+        slot_bytes=tuple(per_slot_sums(nbytes, slots, world_size)),
         ns_flops=tuple(ns),
         tensor_size=tensor_size,
         tensor_slots=tuple(tensor_slots),
