@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import custom_ops  # noqa: F401  (registers dmuon::lpt_partition)
 from custom_ops import _lpt
 from dmuon_fn.ns._cost import ns_flops
-from dmuon_fn.planning._partition import FLOPS_PER_BYTE, layer_keys, param_cost, partition
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE, layer_keys, partition
+from tests._plans import column_bytes, layer_collisions, max_load, owned_by, param_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 PROPS = settings(max_examples=100, deadline=None)
@@ -122,7 +123,7 @@ def test_every_parameter_has_exactly_one_owner_in_range(named, shards, reps):
     world = shards * reps
     plan = partition(named, world, replicate_size=reps)
     assert plan.names == tuple(sorted(named))
-    owned = [n for s in range(world) for n in plan.owned_by(s)]
+    owned = [n for s in range(world) for n in owned_by(plan, s)]
     assert sorted(owned) == sorted(named)
     for n in named:
         o = plan.owner(n)
@@ -131,7 +132,7 @@ def test_every_parameter_has_exactly_one_owner_in_range(named, shards, reps):
         else:
             shard, rep = o
             assert 0 <= shard < shards and 0 <= rep < reps
-            assert n in plan.owned_by((shard, rep)) and rep * shards + shard == plan.slot(n)
+            assert n in owned_by(plan, (shard, rep)) and rep * shards + shard == plan.slot(n)
     for s in range(world):
         mine = [i for i, x in enumerate(plan.slots) if x == s]
         assert plan.slot_loads[s] == math.fsum(plan.costs[i] for i in mine)
@@ -262,10 +263,10 @@ def test_refinement_never_raises_the_maximum(costs, S, data):
 @PROPS
 @given(models(), st.integers(1, 12))
 def test_refined_plan_never_above_plain_lpt(named, world):
-    plain = partition(named, world, refine=False).max_load
-    assert partition(named, world, spread_tolerance=0.0).max_load <= plain
+    plain = max_load(partition(named, world, refine=False))
+    assert max_load(partition(named, world, spread_tolerance=0.0)) <= plain
     tol = _lpt.SPREAD_TOLERANCE
-    assert partition(named, world).max_load <= (1 + tol) * plain * (1 + 1e-12)
+    assert max_load(partition(named, world)) <= (1 + tol) * plain * (1 + 1e-12)
 
 
 # ---------------------------------------------------------------- layers, spreading, packing
@@ -300,12 +301,12 @@ def test_gpt2_layers_spread_under_any_naming(prefix, world):
     # The defect to avoid: layers found by one naming convention put all 48 GPT-2 matrices on
     # one rank. Every block's 4 matrices must land on 4 different owners, whatever the prefix.
     plan = partition(gpt2(prefix), world)
-    assert plan.layer_collisions() == ()
+    assert layer_collisions(plan) == ()
     for i in range(12):
         mats = [n for n in plan.names if n.startswith(f"{prefix}.{i}.") and n.endswith("weight")
                 and len(plan.shapes[plan.names.index(n)]) == 2]  # fmt: skip
         assert len(mats) == 4 and len({plan.slot(n) for n in mats}) == 4
-    assert plan.max_load <= 1.03 * max(sum(plan.costs) / world, max(plan.costs))
+    assert max_load(plan) <= 1.03 * max(sum(plan.costs) / world, max(plan.costs))
     ref = partition(gpt2("transformer.h"), world)
     assert plan.slots == ref.slots  # the naming convention changes nothing
 
@@ -314,12 +315,12 @@ def test_hsdp_spreads_layers_over_shard_columns_and_balances_column_bytes():
     named = {k: v for k, v in llama(layers=8, d=512, kv=128, ff=1792).items()
              if len(v) == 2 and k.startswith("model.layers")}  # fmt: skip
     plan = partition(named, 64, replicate_size=8)
-    assert plan.layer_collisions() == ()
+    assert layer_collisions(plan) == ()
     for layer in set(plan.layers):
         cols = [s % 8 for n, s, lay in zip(plan.names, plan.slots, plan.layers, strict=True)
                 if lay == layer]  # fmt: skip
         assert len(cols) == 7 and len(set(cols)) == 7
-    cb = plan.column_bytes
+    cb = column_bytes(plan)
     assert sum(cb) == sum(plan.nbytes) and max(cb) <= 1.3 * sum(cb) / 8
 
 
@@ -339,7 +340,7 @@ def test_llama70b_plans_under_a_second_at_w512():
     plan = partition(named, 512)
     assert time.process_time() - t0 < 1.0
     # 560 block matrices + embedding + head on 512 ranks: the head bounds the step.
-    assert plan.max_load == max(plan.costs) and plan.layer_collisions() == ()
+    assert max_load(plan) == max(plan.costs) and layer_collisions(plan) == ()
 
 
 # ---------------------------------------------------------------- cost model, the op

@@ -1,14 +1,11 @@
-"""A counter of every collective a rank issues, and a timer of the communication it waits for.
+"""`CommCounter` books every collective a rank issues, `CommTimer` the seconds it waits for
+them (`blocked()`), each by phase.
 
-`CommCounter` is a TorchDispatchMode: it sees the c10d ops behind `torch.distributed` calls
-(ours, FSDP2's, anyone's) and the functional collectives, and books, per phase, how many ran
-and how many bytes they move per rank. Bytes follow the per-rank traffic convention that makes
-FSDP's and dmuon_fn's floors comparable (DESIGN.md, "Communication floor"): over a group of W
-ranks and a payload of N bytes, broadcast and reduce move (W−1)/W·N, all-gather and
-reduce-scatter (W−1)/W of the full tensor, all-reduce 2(W−1)/W·N: the bytes that cross the
-network, averaged over the group's ranks. A point-to-point transfer of N bytes books N/2 on
-each of its two ends; the transfers of a reduce over two gloo ranks
-(`custom_ops._collectives.PairReduce`, known by their tag) book as the reduce they are.
+Bytes are per rank (proofs/comm_notes.md): over a group of W ranks and a payload of N bytes,
+broadcast and reduce book (W−1)/W·N, all-gather and reduce-scatter (W−1)/W of the full tensor,
+all-reduce 2(W−1)/W·N; a point-to-point transfer books N/2 on each of its two ends, and the
+transfers of a pair reduce (`custom_ops._collectives.PairReduce`, tagged `PAIR_TAG`) book as a
+reduce.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from custom_ops._collectives import PAIR_TAG
 
-# op name -> (factor of (W-1)/W, which tensor argument carries the payload)
+# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input)
 _C10D = {
     "broadcast_": (1, 0),
     "reduce_": (1, 0),
@@ -102,7 +99,8 @@ class _Phases:
 
 
 class CommCounter(_Phases, TorchDispatchMode):
-    """Counts collectives and per-rank bytes by phase.
+    """Counts collectives and per-rank bytes by phase: every c10d op (torch.distributed calls,
+    FSDP2's, dmuon_fn's) and functional collective the rank dispatches.
 
     with CommCounter() as comm:
         with comm.phase("forward"):
@@ -134,10 +132,8 @@ class CommCounter(_Phases, TorchDispatchMode):
             else:
                 w = _group_size(args, kwargs)
             payload = _nbytes(args[which]) if which < len(args) else 0
-            if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
-                payload = _nbytes(args[1])  # the full input
-            elif name == "all_gather_into_tensor":
-                payload = _nbytes(args[0]) * w  # args[0] is this rank's shard
+            if name == "all_gather_into_tensor":
+                payload *= w  # args[0] is this rank's shard
             st = self.stats[self._phase]
             st.calls[name] += 1
             st.op_bytes[name] += factor * (w - 1) / w * payload if w > 1 else 0.0

@@ -1,6 +1,5 @@
-"""Conventions both faces share, below both (`_dedicate` and `_functional`): the mesh shapes
-they accept and the mixed-precision dtypes (what is gathered, summed, and kept as the master).
-"""
+"""What both faces (dedicated/, functional/) accept and share: mesh shapes, mixed-precision
+dtypes, and the process groups dmuon_fn's own traffic runs on."""
 
 from __future__ import annotations
 
@@ -8,14 +7,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._exchange import all_gather_json
+from ._agree import all_gather_json
+
+
+def check_dtype(what: str, dtype: object) -> None:
+    """Raise ValueError naming `what` unless `dtype` is a floating torch dtype or None."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
 
 
 def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
     """Mixed-precision dtypes: floating torch dtypes or None (both faces take the same)."""
-    for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
-            raise ValueError(f"{what} must be a floating torch.dtype or None, got {dt!r}")
+    check_dtype("param_dtype", param_dtype)
+    check_dtype("reduce_dtype", reduce_dtype)
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,25 +67,16 @@ def check_meshes(
 
 
 def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new process group over `group`'s ranks, for dmuon_fn's traffic alone.
-
-    Gloo runs one group's collectives one after another, so an FSDP2 all-gather issued while a
-    dedicated prefetch is in flight on the mesh's own group waits for the whole prefetch; on
-    separate groups (separate connections; on NCCL separate communicators) the two proceed side
-    by side. Collective over the world: every rank gathers every rank's group, then creates all
-    of them in one sorted order (`new_group` needs every rank, member or not). The new groups
-    keep `group`'s collective timeout (`new_group`'s default would be torch's 30 minutes, so a
-    hung peer would no longer fail within the job's timeout).
+    """A new process group over `group`'s ranks, with its backend and collective timeout, for
+    dmuon_fn's traffic alone (so it runs beside FSDP2's instead of queued behind it on gloo;
+    proofs/comm_notes.md). Collective over the world: every rank creates every rank's group.
     """
     mine = sorted(dist.get_process_group_ranks(group))
     backend, timeout = dist.get_backend(group), _timeout(group)
-    made = None
-    for ranks in sorted({tuple(r) for r in all_gather_json(mine)}):
-        new = dist.new_group(list(ranks), timeout=timeout, backend=backend)
-        if list(ranks) == mine:
-            made = new
-    assert made is not None  # this rank's own list is among the gathered ones
-    return made
+    # new_group needs every rank, member or not, and the same order on all of them
+    every = sorted({tuple(r) for r in all_gather_json(mine)})
+    made = {r: dist.new_group(list(r), timeout=timeout, backend=backend) for r in every}
+    return made[tuple(mine)]
 
 
 def _timeout(group: dist.ProcessGroup):

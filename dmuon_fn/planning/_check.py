@@ -1,13 +1,8 @@
-"""Cross-rank check that every rank computed the same partition plan.
+"""Cross-rank checks that every rank computed the same partition plan and setup.
 
-Ranks that disagree on an owner hang in the first broadcast or reduce (a rank waits for a
-sender that never sends), so the plans are compared once, before any parameter collective, by
-gathering a small record from every rank: the plan digest, the sizes, and one int64 per
-parameter (32 bits of the name's hash, 32 bits of the (name, shape, owner) hash; with tensor
-parallelism the layout and tensor slot join the second). Every rank sees every record, so
-either all ranks return or all raise, naming the first differing parameter.
-
-Records travel as JSON in uint8 tensors (dmuon_fn/comm/_exchange.py), never pickled.
+Each gathers a small JSON record from every rank of a group (comm/_agree.py); every rank sees
+every record, so either all ranks return or all raise `PlanMismatchError`, naming what differs
+(proofs/partition.md §6).
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import torch.distributed as dist
 
 import custom_ops
 
-from ..comm._exchange import all_gather_json
+from ..comm._agree import all_gather_json
 from ._partition import Plan
 
 
@@ -33,7 +28,8 @@ def _h32(text: str) -> int:
 
 
 def param_hashes(plan: Plan) -> list[int]:
-    """One int64 per parameter in name order: name hash << 32 | (name, shape, slot) hash."""
+    """One int64 per parameter in name order: name hash << 32 | (name, shape, slot) hash (with
+    tensor parallelism the layout and tensor slot join the second)."""
     out = []
     tensor = list(zip(plan.layouts, plan.tensor_slots, strict=True)) if plan.tensor_slots else []
     for i, (n, sh, s) in enumerate(zip(plan.names, plan.shapes, plan.slots, strict=True)):
@@ -42,16 +38,11 @@ def param_hashes(plan: Plan) -> list[int]:
     return out
 
 
-def _record(plan: Plan) -> list:
-    return [plan.digest(), plan.world_size, plan.replicate_size, param_hashes(plan)]
-
-
-def _first_difference(x: list[int], y: list[int]) -> tuple[int, bool]:
-    """Index of the first differing parameter and whether the two ranks agree on its name."""
-    for i, (u, v) in enumerate(zip(x, y, strict=False)):
-        if u != v:
-            return i, (u >> 32) == (v >> 32)
-    return min(len(x), len(y)), False
+def _disagreement(record: object, group: dist.ProcessGroup | None) -> tuple[list, int | None]:
+    """Every rank's `record` (two small all_gathers) and the first group rank whose record
+    differs from rank 0's, or None."""
+    records = all_gather_json(record, group)
+    return records, next((r for r, rec in enumerate(records) if rec != records[0]), None)
 
 
 def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) -> str:
@@ -60,14 +51,18 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
     Two small all_gathers over `group` (default: the world; with NCCL the current CUDA device
     must be set). Returns the common digest.
     """
-    records = all_gather_json(_record(plan), group)
+    record = [plan.digest(), plan.world_size, plan.replicate_size, param_hashes(plan)]
+    records, bad = _disagreement(record, group)
     ref = records[0]
-    bad = next((r for r, rec in enumerate(records) if rec != ref), None)
     if bad is None:
         return ref[0]
-    other = records[bad]
-    here = dist.get_rank(group)
-    i, same_name = _first_difference(ref[3], other[3])
+    other, here = records[bad], dist.get_rank(group)
+    # the first differing parameter, and whether the two ranks agree on its name
+    i, same_name = min(len(ref[3]), len(other[3])), False
+    for j, (u, v) in enumerate(zip(ref[3], other[3], strict=False)):
+        if u != v:
+            i, same_name = j, (u >> 32) == (v >> 32)
+            break
     if i < len(plan.names):
         local = (
             f"on this rank ({here}) that is {plan.names[i]!r} with shape {plan.shapes[i]} "
@@ -89,30 +84,26 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
 
 def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | None = None) -> None:
     """Raise `PlanMismatchError` on every rank unless all ranks of `group` report the same
-    `fields` (e.g. the Newton-Schulz kernel each rank resolved): two small all_gathers.
-
-    A rank that runs another kernel or configuration would not hang, but its owners' updates
-    would silently differ from the rest of the job; a different step structure would hang.
-    """
+    `fields` (e.g. the Newton-Schulz kernel each rank resolved): two small all_gathers; nothing
+    without a process group or on one rank."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    records = all_gather_json(dict(fields), group)
-    for r, rec in enumerate(records):
-        if rec == records[0]:
-            continue
-        keys = [*records[0], *(k for k in rec if k not in records[0])]
-        key = next(k for k in keys if rec.get(k) != records[0].get(k))
-        raise PlanMismatchError(
-            f"ranks 0 and {r} disagree on {key}: {records[0].get(key)!r} on rank 0, "
-            f"{rec.get(key)!r} on rank {r}. Every rank must run the same configuration (check "
-            "$DMUON_NS_KERNEL, installed kernel packages and the GPU type on every node)"
-        )
+    records, r = _disagreement(dict(fields), group)
+    if r is None:
+        return
+    ref, rec = records[0], records[r]
+    key = next(k for k in [*ref, *(k for k in rec if k not in ref)] if rec.get(k) != ref.get(k))
+    raise PlanMismatchError(
+        f"ranks 0 and {r} disagree on {key}: {ref.get(key)!r} on rank 0, {rec.get(key)!r} on "
+        f"rank {r}. Every rank must run the same configuration (check $DMUON_NS_KERNEL, "
+        "installed kernel packages and the GPU type on every node)"
+    )
 
 
 def kernel_field(name: str | None, device: torch.device) -> tuple[str, Exception | None]:
     """The NS kernel this rank resolves, for `check_setup_consistent`, and the error if it
-    cannot: raised only after the check, so a rank that cannot run the requested kernel makes
-    every rank raise instead of leaving the others waiting in the check's collective."""
+    cannot (to raise after the check, so that every rank raises instead of leaving the others
+    waiting in the check's collective)."""
     try:
         return custom_ops.resolve_kernel(name, device).name, None
     except (ValueError, RuntimeError) as e:

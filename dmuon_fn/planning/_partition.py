@@ -1,25 +1,11 @@
 """The partition planner: which rank owns (orthogonalizes and updates) each dedicated parameter.
 
 `partition` is a pure function of (names, shapes, world size, replicate size, cost options) to a
-frozen `Plan` of plain Python data, so every rank computes the same plan without communicating
-(`check_plan_consistent` verifies that once) and it runs anywhere, FakeTensorMode included.
-
-Cost model (one number per parameter, in FLOPs; proofs/partition.md, BENCHMARKS.md):
-
-    matrix (>= 2 dims, trailing dims flattened to (shape[0], prod(shape[1:]))):
-        ns_flops(rows × cols, steps, method, sym_discount)  +  flops_per_byte · bytes
-    anything else (AdamW on the owner, elementwise):          flops_per_byte · bytes
-
-`ns_flops` counts the iteration `orthogonalize` will run (Gram or standard by the same `auto`
-rule) with symmetric products at `sym_discount` of a GEMM (0.5 with a SYRK kernel, 1.0 without).
-The byte term charges the elementwise work (momentum, update, weight decay) and the
-gradient/parameter traffic through the owner, both proportional to the parameter's bytes.
-Against measured `orthogonalize` time on a CPU the model gives Pearson r = 0.987 between log time
-and log cost over 16 shapes (examples/benchmarks/bench_cost_model.py); what it leaves out is a
-fixed cost per call (~2 ms there), which matters only for matrices below ~256².
-
-Scheduling units: each matrix is a unit; a layer's non-matrix params (norms, biases) are packed
-into one unit, so they travel with one owner. Layers are found by name (`layer_keys`).
+frozen `Plan` of plain Python data, equal on every rank without communicating
+(`check_plan_consistent` verifies it) and runnable under FakeTensorMode. A parameter's cost in
+FLOPs: a matrix (>= 2 dims, viewed as (shape[0], prod(shape[1:]))) costs `ns_flops` of that view
+plus `flops_per_byte` · its bytes; anything else the byte term alone. Scheduling units: each
+matrix alone, and each layer's (`layer_keys`) other parameters together (proofs/partition.md).
 """
 
 from __future__ import annotations
@@ -29,17 +15,16 @@ import json
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from custom_ops._lpt import SPREAD_TOLERANCE, schedule
+from custom_ops._lpt import slot_loads as per_slot_sums
 
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops
 
-# Default FLOP-equivalents charged per byte of a parameter. The two-term fit
-# time ≈ α·FLOPs + β·bytes of `orthogonalize` on this CPU gives β/α ≈ 1300
-# (examples/benchmarks/bench_cost_model.py); on an H100 the elementwise fp32 update moves ~5
-# bytes per parameter byte at a machine balance of ~300 FLOP/byte, about the same. Rounded down.
+# FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
 FLOPS_PER_BYTE = 1024.0
 
 _ShapeLike = Sequence[int]
@@ -74,52 +59,18 @@ def layer_keys(names: Iterable[str]) -> dict[str, str]:
     return keys
 
 
-def param_cost(
-    shape: _ShapeLike,
-    *,
-    matrix: bool,
-    steps: int = 5,
-    method: str = "auto",
-    sym_discount: float = 0.5,
-    bytes_per_elem: int = 4,
-    flops_per_byte: float = FLOPS_PER_BYTE,
-    gram_min_aspect: float = GRAM_MIN_ASPECT,
-) -> float:
-    """Cost (FLOPs) of owning one parameter of `shape`: the model in the module docstring."""
-    byte_term = _byte_term(shape, flops_per_byte, bytes_per_elem)
-    if not matrix:
-        return byte_term
-    return _ns(shape, steps, method, sym_discount, gram_min_aspect) + byte_term
-
-
-def _byte_term(shape, flops_per_byte, bytes_per_elem) -> float:
-    """The cost charged per byte of a parameter of `shape` (elementwise work and traffic)."""
-    return flops_per_byte * math.prod(shape) * bytes_per_elem
-
-
-def _ns(shape, steps, method, sym_discount, gram_min_aspect) -> float:
-    """Newton-Schulz FLOPs of a matrix of `shape` (trailing dims flattened)."""
-    rows = shape[0]
-    flat = (rows, math.prod(shape) // rows)
-    return ns_flops(
-        flat, steps=steps, method=method, sym_discount=sym_discount, min_aspect=gram_min_aspect
-    )
-
-
 @dataclass(frozen=True)
 class Plan:
     """Owner of every dedicated parameter; plain Python data, identical on every rank.
 
-    Slots: world_size = shard_size · replicate_size of them. Slot s is shard s % shard_size of
-    replica s // shard_size, i.e. global rank s of a (replicate, shard) mesh; on a 1-D mesh
-    (replicate_size 1) the slot is the rank. The owner of a parameter holds its full fp32 value
-    and optimizer state and runs its update; every rank of the owner's shard column (same shard
-    index, any replica) holds the full parameter after the update is published.
+    world_size = shard_size · replicate_size slots; slot s is shard s % shard_size of replica
+    s // shard_size (global rank s of a (replicate, shard) mesh; the rank on a 1-D mesh). The
+    owner holds a parameter's fp32 master and optimizer state and runs its update; every rank of
+    its shard column (same shard, any replica) holds the full parameter between steps.
 
     Per parameter, in name order: names, shapes, slots (owner slot), layers (layer key), matrix
-    (Muon vs elementwise), costs (FLOPs), nbytes, ns_flops (the Newton-Schulz part of the
-    cost, 0 for elementwise params). Per slot: slot_loads (sum of costs), slot_bytes (sum of
-    bytes).
+    (Muon vs elementwise), costs (FLOPs), nbytes, ns_flops (the Newton-Schulz part of the cost,
+    0 for elementwise params). Per slot: slot_loads (sum of costs), slot_bytes (sum of bytes).
     """
 
     names: tuple[str, ...]
@@ -175,43 +126,6 @@ class Plan:
         tensor parallelism)."""
         return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
-    def owned_by(self, owner: int | tuple[int, int]) -> tuple[str, ...]:
-        """Names owned by a slot (int) or by (shard, replicate), in name order."""
-        if isinstance(owner, tuple):
-            shard, rep = owner
-            if not (0 <= shard < self.shard_size and 0 <= rep < self.replicate_size):
-                raise ValueError(
-                    f"owner {owner} outside ({self.shard_size}, {self.replicate_size})"
-                )
-            owner = rep * self.shard_size + shard
-        if not 0 <= owner < self.world_size:
-            raise ValueError(f"slot {owner} outside [0, {self.world_size})")
-        return tuple(n for n, s in zip(self.names, self.slots, strict=True) if s == owner)
-
-    @property
-    def column_bytes(self) -> tuple[int, ...]:
-        """Bytes of full parameters each shard column holds (per rank, any replica)."""
-        out = [0] * self.shard_size
-        for s, b in enumerate(self.slot_bytes):
-            out[s % self.shard_size] += b
-        return tuple(out)
-
-    @property
-    def max_load(self) -> float:
-        return max(self.slot_loads)
-
-    def layer_collisions(self) -> tuple[str, ...]:
-        """Layers with two matrices in one shard column although they have <= shard_size."""
-        per: dict[str, list[int]] = defaultdict(list)
-        for layer, m, s in zip(self.layers, self.matrix, self.slots, strict=True):
-            if m:
-                per[layer].append(s % self.shard_size)
-        return tuple(
-            k
-            for k, cols in sorted(per.items())
-            if len(cols) <= self.shard_size and len(set(cols)) < len(cols)
-        )
-
     def canonical(self) -> str:
         """The encoding `digest` hashes: JSON of sizes and (name, shape, slot) in name order;
         with tensor parallelism also the tensor size and (layout, tensor slot) per name."""
@@ -233,10 +147,16 @@ class Plan:
         return hashlib.sha256(self.canonical().encode("ascii")).hexdigest()
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+def _check(name: str, value: object, ok: Callable[[float], bool], want: str) -> Any:
+    """`value` if it is a number (an int or float, not a bool) that `ok` accepts; else a
+    ValueError saying "`name` must be `want`"."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+        raise ValueError(f"{name} must be {want}, got {value!r}")
     return value
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    return _check(name, value, lambda v: isinstance(v, int) and v >= low, f"an int >= {low}")
 
 
 def _pairs(named_shapes) -> list[tuple[str, tuple[int, ...]]]:
@@ -282,32 +202,22 @@ def partition(
     tensor_size: int = 1,
     layouts: Mapping[str, str] | None = None,
 ) -> Plan:
-    """Assign every parameter exactly one owner slot, balancing the cost model above.
+    """Assign every parameter exactly one owner slot, balancing the costs (module docstring).
 
     named_shapes: {name: shape} (or (name, shape) pairs) of the dedicated parameters.
-    world_size: number of owner slots = ranks of the job (shard_size · replicate_size under HSDP).
-    replicate_size: HSDP replicas R; each matrix is still orthogonalized once in the whole job.
-    elementwise: names updated elementwise (AdamW) though they have >= 2 dims (embeddings,
-        heads), costed by size.
-    steps, method, sym_discount, gram_min_aspect: as `orthogonalize` will run (see
-        `dmuon_fn.ns._cost.ns_flops`; dedicate_params and plan pass the ratio the job's dispatch
-        measured, dmuon_fn/ns/_dispatch.py).
+    world_size: owner slots = ranks of the job (shard_size · replicate_size under HSDP).
+    replicate_size: HSDP replicas; each matrix is still orthogonalized once in the job.
+    elementwise: names updated elementwise (AdamW) though they have >= 2 dims, costed by size.
+    steps, method, sym_discount, gram_min_aspect: as `orthogonalize` will run (`ns_flops`).
     bytes_per_elem, flops_per_byte: the byte term (fp32 master: 4 bytes).
-    refine: False gives plain LPT (the baseline); True adds refinement, layer spreading and
-        byte balance (custom_ops/_lpt.py, steps 2-4).
+    refine: False gives plain LPT; True adds refinement, layer spreading and byte balance.
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
-        may be and still be chosen (0: the plan never exceeds plain LPT's maximum load; always
-        within the LPT bound).
+        may be and still be chosen (0: never above plain LPT's maximum load).
+    tensor_size, layouts: tensor parallelism (T ranks; {name: layout} for every name, e.g.
+        "Shard(0)", "Replicate()", "plain"; default all "plain"); shapes are whole parameters'.
+        Each slot's matrices are spread over its T tensor ranks (`Plan.tensor_slots`).
 
-    tensor_size, layouts: tensor parallelism (T ranks; {name: layout}, e.g. "Shard(0)",
-        "Replicate()", "plain", for every name; default all "plain"). Shapes are the whole
-        parameters'. An owner slot is then a data-parallel coordinate whose T tensor ranks each
-        hold their part of the parameter; within each slot the matrices' Newton-Schulz runs
-        are spread over the T tensor ranks by the same scheduler (`Plan.tensor_slots`), so the
-        busiest (data, tensor) rank is balanced in two levels: data slots first, tensor ranks
-        within each.
-
-    The result depends only on the names and shapes, not on their order or on hash seeds.
+    The result depends only on the set of (name, shape) pairs and the options.
     """
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
@@ -320,13 +230,10 @@ def partition(
     bytes_per_elem = _check_int("bytes_per_elem", bytes_per_elem, 1)
     if method not in ("auto", "gram", "standard"):
         raise ValueError(f"method must be 'auto', 'gram' or 'standard', got {method!r}")
-    if not 0 < sym_discount <= 1:
-        raise ValueError(f"sym_discount must be in (0, 1], got {sym_discount!r}")
+    _check("sym_discount", sym_discount, lambda v: 0 < v <= 1, "in (0, 1]")
     for key, val in (("flops_per_byte", flops_per_byte), ("spread_tolerance", spread_tolerance)):
-        if not 0 <= val < math.inf:
-            raise ValueError(f"{key} must be finite and >= 0, got {val!r}")
-    if not gram_min_aspect >= 1.0:
-        raise ValueError(f"gram_min_aspect must be >= 1 (inf: never Gram), got {gram_min_aspect!r}")
+        _check(key, val, lambda v: 0 <= v < math.inf, "finite and >= 0")
+    _check("gram_min_aspect", gram_min_aspect, lambda v: v >= 1.0, ">= 1 (inf: never Gram)")
     tensor_size = _check_int("tensor_size", tensor_size, 1)
     pairs = _pairs(named_shapes)
     names = [n for n, _ in pairs]
@@ -339,27 +246,25 @@ def partition(
     ew = set(elementwise)
     matrix = [len(sh) >= 2 and n not in ew for n, sh in pairs]
     nbytes = [math.prod(sh) * bytes_per_elem for _, sh in pairs]
-    # the Newton-Schulz part of each cost, kept in the plan (0 for elementwise params)
-    ns_kw = (steps, method, sym_discount, gram_min_aspect)
-    ns = [_ns(sh, *ns_kw) if m else 0.0 for (_, sh), m in zip(pairs, matrix, strict=True)]
-    # as param_cost, each NS count computed once (0.0 + the byte term is the byte term exactly)
+    # the Newton-Schulz part of each cost (0 for elementwise params; 0.0 + the byte term is exact)
+    ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
+    ns = [
+        ns_flops((sh[0], math.prod(sh) // sh[0]), **ns_kw, min_aspect=gram_min_aspect) if m else 0.0
+        for (_, sh), m in zip(pairs, matrix, strict=True)
+    ]
     costs = [
-        f + _byte_term(sh, flops_per_byte, bytes_per_elem)
+        f + flops_per_byte * math.prod(sh) * bytes_per_elem
         for f, (_, sh) in zip(ns, pairs, strict=True)
     ]
 
-    # Units in order of their first name: each matrix alone, a layer's other params together.
-    unit_of, units, packs = [], [], {}
-    for i, (n, _) in enumerate(pairs):
-        if matrix[i]:
-            unit_of.append(len(units))
-            units.append([i])
-        else:
-            if keys[n] not in packs:
-                packs[keys[n]] = len(units)
-                units.append([])
-            unit_of.append(packs[keys[n]])
-            units[unit_of[-1]].append(i)
+    # Units in order of their first name: each matrix alone (keyed by its index), a layer's
+    # other params together (keyed by the layer).
+    unit_key = [i if matrix[i] else keys[n] for i, (n, _) in enumerate(pairs)]
+    unit_id = {k: u for u, k in enumerate(dict.fromkeys(unit_key))}
+    unit_of = [unit_id[k] for k in unit_key]
+    units: list[list[int]] = [[] for _ in unit_id]
+    for i, u in enumerate(unit_of):
+        units[u].append(i)
     layer_id = {k: j for j, k in enumerate(sorted(set(keys.values())))}
     u_groups = [layer_id[keys[names[u[0]]]] if matrix[u[0]] else -1 for u in units]
     u_costs = [math.fsum(costs[i] for i in u) for u in units]
@@ -382,10 +287,8 @@ def partition(
             layouts = dict.fromkeys(names, "plain")
 
     loads: list[list[float]] = [[] for _ in range(world_size)]
-    sbytes = [0] * world_size
     for i, s in enumerate(slots):
         loads[s].append(costs[i])
-        sbytes[s] += nbytes[i]
     return Plan(
         names=tuple(names),
         shapes=tuple(sh for _, sh in pairs),
@@ -397,7 +300,7 @@ def partition(
         world_size=world_size,
         replicate_size=replicate_size,
         slot_loads=tuple(math.fsum(x) for x in loads),
-        slot_bytes=tuple(sbytes),
+        slot_bytes=tuple(per_slot_sums(nbytes, slots, world_size)),
         ns_flops=tuple(ns),
         tensor_size=tensor_size,
         tensor_slots=tuple(tensor_slots),

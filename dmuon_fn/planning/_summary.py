@@ -1,27 +1,24 @@
-"""The plan a job runs, readable: which rank owns which matrix, each rank's Newton-Schulz FLOPs
-and bytes, and the bound the largest matrix sets (proofs/summary.md).
+"""The plan a job runs, readable (proofs/summary.md).
 
-`plan_summary(plan)` reads a `Plan` or an `FnPlan` (`dmuon_fn.plan_summary` also takes a model
-`dedicate_params` prepared) into a frozen `PlanSummary`: one row per owner slot and the job's
-totals. `str()` is a compact table that rank 0 prints once at setup; `as_dict()` is the same as
-JSON-ready data for logs. Given the FLOP/s of one device's GEMM in the Newton-Schulz
-iteration dtype (`measure_gemm_flops()` here, or a figure for the GPU a job will run on), it
-also states the busiest rank's Newton-Schulz seconds per step, before anything is launched.
-
-The FLOPs are the planner's own counts (`Plan.ns_flops`: the Newton-Schulz part of the cost it
-balanced, with the Gram ratio the job's dispatch planned with).
+`plan_summary(plan)` reads a `Plan` or an `FnPlan` into a frozen `PlanSummary`: one row per owner
+slot (the matrices it orthogonalizes, its Newton-Schulz FLOPs and bytes) and the job's totals.
+`str()` is a compact table, `as_dict()` the same as JSON-ready data. Given one device's GEMM rate
+in FLOP/s (`measure_gemm_flops()`, or a figure) it adds the busiest rank's Newton-Schulz seconds
+per step. The FLOPs are the planner's own counts (`Plan.ns_flops`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ..comm._mesh import check_dtype
 from ..ns._backend import _default_device
 from ..ns._dispatch import iteration_dtype, race
-from ._partition import Plan
+from ._partition import Plan, _check, _check_int
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
 _EDGE, _BUSIEST, _LEAST = 3, 4, 2  # first/last, busiest and least loaded slots then shown
@@ -30,16 +27,13 @@ _NAME_WIDTH = 40
 
 @dataclass(frozen=True)
 class SlotSummary:
-    """One owner slot: global rank `slot` of a (replicate, shard) mesh; `owner` is that rank on a
+    """One owner slot (global rank `slot` of a (replicate, shard) mesh); `owner`: that rank on a
     1-D mesh, its (shard, replica) under HSDP.
 
-    matrices: names of the matrices it orthogonalizes (Newton-Schulz), in name order.
-    others: how many parameters it updates elementwise (norms, biases, elementwise matrices).
-    ns_flops: Newton-Schulz FLOPs per step of its matrices; share: of the job's (0 if none).
-    nbytes: fp32 master bytes (numel × the plan's bytes_per_elem, 4) of everything it owns
-        (under HSDP every rank of its shard column also holds these parameters between steps,
-        in the model dtype: `Plan.column_bytes`).
-    largest: its matrix with the most NS FLOPs (first in name order on ties), None if none.
+    matrices: the matrices it orthogonalizes, in name order; others: how many parameters it
+    updates elementwise. ns_flops: Newton-Schulz FLOPs per step of its matrices; share: of the
+    job's (0 if none). nbytes: fp32 master bytes of everything it owns. largest: its matrix with
+    the most NS FLOPs (the first in name order on ties), None if none.
     """
 
     slot: int
@@ -52,8 +46,7 @@ class SlotSummary:
     largest: str | None
     largest_shape: tuple[int, ...] | None
     largest_ns_flops: float
-    # tensor parallelism: the NS FLOPs of each of the slot's tensor ranks (`Plan.tensor_slots`:
-    # each matrix runs on one of them); () without
+    # tensor parallelism: the NS FLOPs of each of the slot's tensor ranks; () without
     tensor_ns_flops: tuple[float, ...] = ()
 
     @property
@@ -94,8 +87,7 @@ class PlanSummary:
 
     @property
     def bound_ns_flops(self) -> float:
-        """max(largest matrix, mean): no partition's busiest slot has less (a matrix is
-        orthogonalized whole, on one slot; some slot carries at least the mean)."""
+        """max(largest matrix, mean): no partition's busiest rank has less."""
         return max(self.largest_ns_flops, self.mean_ns_flops)
 
     @property
@@ -119,23 +111,7 @@ class PlanSummary:
 
     def as_dict(self) -> dict:
         """Plain data (lists, str, int, float, None): `json.dumps` takes it as it is."""
-        rows = [
-            {
-                "slot": r.slot,
-                "owner": list(r.owner) if isinstance(r.owner, tuple) else r.owner,
-                "matrices": list(r.matrices),
-                "others": r.others,
-                "ns_flops": r.ns_flops,
-                "share": r.share,
-                "nbytes": r.nbytes,
-                "largest": r.largest,
-                "largest_shape": None if r.largest_shape is None else list(r.largest_shape),
-                "largest_ns_flops": r.largest_ns_flops,
-                "tensor_ns_flops": list(r.tensor_ns_flops),
-            }
-            for r in self.slots
-        ]
-        return {
+        d = {
             "world_size": self.world_size,
             "replicate_size": self.replicate_size,
             "tensor_size": self.tensor_size,
@@ -149,7 +125,7 @@ class PlanSummary:
             "least_slot": self.least,
             "least_ns_flops": self.slots[self.least].rank_ns_flops,
             "largest_matrix": self.largest,
-            "largest_shape": None if self.largest_shape is None else list(self.largest_shape),
+            "largest_shape": self.largest_shape,
             "largest_ns_flops": self.largest_ns_flops,
             "bound_ns_flops": self.bound_ns_flops,
             "imbalance": self.imbalance,
@@ -157,8 +133,9 @@ class PlanSummary:
             "gemm_flops": self.gemm_flops,
             "busiest_seconds": self.busiest_seconds,
             "bound_seconds": self.bound_seconds,
-            "slots": rows,
+            "slots": [dataclasses.asdict(r) for r in self.slots],
         }
+        return _plain(d)
 
     def __str__(self) -> str:
         return "\n".join(_render(self))
@@ -167,48 +144,39 @@ class PlanSummary:
 # ---------------------------------------------------------------------------- building
 
 
-def _plan_of(source: object) -> Plan:
-    """The `Plan` of a Plan or of an FnPlan (its `.partition`)."""
-    if isinstance(source, Plan):
-        return source
-    if isinstance(getattr(source, "partition", None), Plan):
-        return source.partition
-    raise ValueError(
-        "plan_summary takes a Plan (from partition), an FnPlan (from plan) or a model "
-        f"prepared by dedicate_params, got {type(source).__name__}"
-    )
+def _plain(x: object) -> object:
+    """`x` with every tuple a list, through dicts and lists."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return [_plain(v) for v in x] if isinstance(x, list | tuple) else x
 
 
-def _check_rate(gemm_flops: object) -> float | None:
-    if gemm_flops is None:
-        return None
-    if isinstance(gemm_flops, bool) or not isinstance(gemm_flops, int | float):
-        raise ValueError(f"gemm_flops must be a number of FLOP/s, got {gemm_flops!r}")
-    if not 0 < gemm_flops < math.inf:
-        raise ValueError(
-            f"gemm_flops must be finite and > 0 (FLOP/s, e.g. 4e14), got {gemm_flops!r}"
-        )
-    return float(gemm_flops)
-
-
-def _largest(idx: list[int], flops: list[float]) -> int | None:
-    """The index with the most NS FLOPs, the first (in name order) on ties; None if empty."""
-    return max(idx, key=lambda i: (flops[i], -i), default=None)
+def _largest(plan: Plan, idx: list[int]) -> dict:
+    """largest, largest_shape, largest_ns_flops: the matrix among `idx` with the most NS FLOPs
+    (the first in name order on ties), or None, None, 0.0 if `idx` is empty."""
+    top = max(idx, key=lambda i: (plan.ns_flops[i], -i), default=None)
+    if top is None:
+        return {"largest": None, "largest_shape": None, "largest_ns_flops": 0.0}
+    name, shape, flops = plan.names[top], plan.shapes[top], plan.ns_flops[top]
+    return {"largest": name, "largest_shape": shape, "largest_ns_flops": flops}
 
 
 def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummary:
-    """Per-slot rows and job totals of `plan`: a `Plan` (from `partition`) or an `FnPlan` (from
-    `plan`); pure, identical on every rank.
-
-    gemm_flops: FLOP/s of one device's GEMM in the NS iteration dtype (`measure_gemm_flops()`,
-        or e.g. 4e14 for an H100 in bf16); adds seconds per step.
-    """
-    plan = _plan_of(plan)
-    rate = _check_rate(gemm_flops)
-    n = len(plan.names)
-    flops = list(plan.ns_flops)
+    """Per-slot rows and job totals of `plan`, a `Plan` or an `FnPlan`; pure. gemm_flops:
+    FLOP/s of one device's GEMM in the NS iteration dtype (`measure_gemm_flops()`, or e.g. 4e14
+    for an H100 in bf16) adds seconds per step."""
+    part = getattr(plan, "partition", None)  # an FnPlan's Plan
+    plan = part if isinstance(part, Plan) else plan
+    if not isinstance(plan, Plan):
+        raise ValueError(
+            "plan_summary takes a Plan (from partition), an FnPlan (from plan) or a model "
+            f"prepared by dedicate_params, got {type(plan).__name__}"
+        )
+    if gemm_flops is not None:
+        positive = "finite and > 0 (FLOP/s, e.g. 4e14)"
+        gemm_flops = float(_check("gemm_flops", gemm_flops, lambda v: 0 < v < math.inf, positive))
+    flops = plan.ns_flops
     total = math.fsum(flops)
-    R = plan.replicate_size
     members: list[list[int]] = [[] for _ in range(plan.world_size)]
     for i, s in enumerate(plan.slots):
         members[s].append(i)
@@ -216,7 +184,6 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     for s, mine in enumerate(members):
         mats = [i for i in mine if plan.matrix[i]]
         ns = math.fsum(flops[i] for i in mats)
-        top = _largest(mats, flops)
         per_tensor = ()
         if plan.tensor_slots:
             per_tensor = tuple(
@@ -232,26 +199,21 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
                 ns_flops=ns,
                 share=ns / total if total else 0.0,
                 nbytes=sum(plan.nbytes[i] for i in mine),
-                largest=None if top is None else plan.names[top],
-                largest_shape=None if top is None else plan.shapes[top],
-                largest_ns_flops=0.0 if top is None else flops[top],
+                **_largest(plan, mats),
                 tensor_ns_flops=per_tensor,
             )
         )
-    top = _largest([i for i in range(n) if plan.matrix[i]], flops)
     loads = [r.rank_ns_flops for r in rows]
     return PlanSummary(
         world_size=plan.world_size,
-        replicate_size=R,
+        replicate_size=plan.replicate_size,
         slots=tuple(rows),
         total_ns_flops=total,
         total_bytes=sum(plan.nbytes),
         busiest=loads.index(max(loads)),
         least=loads.index(min(loads)),
-        largest=None if top is None else plan.names[top],
-        largest_shape=None if top is None else plan.shapes[top],
-        largest_ns_flops=0.0 if top is None else flops[top],
-        gemm_flops=rate,
+        **_largest(plan, [i for i, m in enumerate(plan.matrix) if m]),
+        gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
     )
 
@@ -262,13 +224,11 @@ def measure_gemm_flops(
     n: int | None = None,
 ) -> float:
     """FLOP/s of an n×n GEMM on `device` in `dtype`: 2n³ over the best of 3 timed runs after a
-    warm-up. An upper estimate of the NS iteration's rate (its products are this GEMM or
-    smaller, some symmetric).
+    warm-up; an upper estimate of the NS iteration's rate (its products are this GEMM or smaller).
 
     device: default the current CUDA device, else the CPU. dtype: default the NS iteration dtype
-    the dispatch picks there (dmuon_fn/ns/_dispatch.py; on a CPU, the first use on a machine
-    measures that once, ~1 s, then it is cached). n: default 1024 on a CPU (~0.1 s on 2 cores in
-    fp32), 8192 on CUDA (large enough to reach a GPU's GEMM rate).
+    the dispatch picks there (`iteration_dtype`; measured once per CPU machine, then cached).
+    n: default 1024 on a CPU, 8192 on CUDA (large enough to reach a GPU's GEMM rate).
     """
     device = _default_device() if device is None else torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -276,12 +236,9 @@ def measure_gemm_flops(
             f"measure_gemm_flops runs on 'cpu' or 'cuda', got {device}: pass plan_summary a "
             "gemm_flops figure instead"
         )
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"n must be an int >= 1 (the GEMM's side) or None, got {n!r}")
+    check_dtype("dtype", dtype)
     dtype = iteration_dtype(device) if dtype is None else dtype
-    n = (8192 if device.type == "cuda" else 1024) if n is None else n
+    n = (8192 if device.type == "cuda" else 1024) if n is None else _check_int("n", n, 1)
     with torch.no_grad():
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
@@ -376,9 +333,11 @@ def _render(s: PlanSummary) -> list[str]:
         f"{who:>{w}}  matrices  other  {'NS ' + funit:>9}   share  {bunit:>7}  largest matrix"
     )
     prev = -1
-    for i in _shown(s):
+    for i in [*_shown(s), S]:  # S: the end, after the last elision
         if i > prev + 1:
             lines.append(f"{'':>{w}}  ... {i - prev - 1} ranks not shown (all in as_dict())")
+        if i == S:
+            break
         r = s.slots[i]
         label = f"{i} ({r.owner[0]},{r.owner[1]})" if R > 1 else str(i)
         tag = " <- busiest" if i == s.busiest else " <- least" if i == s.least else ""
@@ -389,6 +348,4 @@ def _render(s: PlanSummary) -> list[str]:
             f"{100 * r.share:5.1f}%  {r.nbytes / bdiv:7.1f}  {largest}{tag}"
         )
         prev = i
-    if prev < S - 1:
-        lines.append(f"{'':>{w}}  ... {S - 1 - prev} ranks not shown (all in as_dict())")
     return lines

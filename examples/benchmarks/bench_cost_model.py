@@ -23,7 +23,7 @@ from _timing import machine
 import dmuon_fn
 from dmuon_fn.ns._cost import ns_flops, ns_method
 from dmuon_fn.ns._dispatch import gram_min_aspect
-from dmuon_fn.planning._partition import FLOPS_PER_BYTE, param_cost
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE, partition
 
 SHAPES = [
     (128, 128), (256, 256), (512, 512), (1024, 1024), (1536, 1536),
@@ -69,7 +69,7 @@ def main() -> None:
     rows = []
     for shape, t in zip(SHAPES, _times(SHAPES, args.repeats), strict=True):
         flops, nbytes = ns_flops(shape, min_aspect=aspect), 4 * shape[0] * shape[1]
-        cost = param_cost(shape, matrix=True, gram_min_aspect=aspect)
+        cost = partition({"w": shape}, 1, gram_min_aspect=aspect).costs[0]  # the planner's
         rows.append((shape, flops, nbytes, cost, t))
         method = ns_method(shape, min_aspect=aspect)
         print(f"| {shape[0]}×{shape[1]} | {method} | {flops / 1e9:.2f} | "
