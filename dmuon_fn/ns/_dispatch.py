@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import custom_ops
 
-from ..comm._exchange import broadcast_json
+from ..comm._agree import broadcast_json
 from ._coefficients import schedule
 from ._cost import GRAM_MIN_ASPECT, default_restarts
 from ._iteration import gram, normalize, standard
