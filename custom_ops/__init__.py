@@ -16,16 +16,18 @@ from . import two_stage_reduce as _two_stage_reduce  # noqa: F401
 from ._disk import cache_dir, locked
 from ._kernels import (
     KERNELS,
-    MIN_STRIP_ROWS,
     auto_kernel,
-    check_cpu_strips,
-    cpu_strips,
     cuda_triangle_rows,
     describe,
     kernel_names,
     resolve_kernel,
-    set_cpu_strips,
     set_cuda_triangle_rows,
+)
+from ._kernels.cpu import (
+    MIN_STRIP_ROWS,
+    check_cpu_strips,
+    cpu_strips,
+    set_cpu_strips,
     triangle_product,
 )
 from ._registry import OpSpec, register_op, registered_ops
