@@ -1,5 +1,5 @@
 """c10d collectives behind the communication ops and dmuon_fn's object API, and the one way an
-op that issues collectives is defined.
+op that issues collectives is defined (`define_async`).
 
 Groups are a ProcessGroup or its name (ops carry only the name in their schema). A group of
 size 1 returns at once without torch.distributed. Inside an op the collectives are opaque to
@@ -53,11 +53,9 @@ PAIR_TAG = 0x6D75
 
 
 class PairReduce:
-    """A sum onto one rank of a gloo group of two, as one transfer: the other rank sends its
-    buffer, the owner receives it into a buffer of its own and adds it on `wait` (the same
-    bits as a reduce: a sum of two terms does not depend on their order). Every rank issues
-    its reduces in one program order, and gloo matches one pair's transfers of one tag in
-    issue order, so they pair up as collectives would (proofs/custom_ops_notes.md)."""
+    """A sum onto one rank of a gloo group of two as one transfer, the same bits as a reduce:
+    the other rank sends `t`, the owner adds what it receives on `wait` (the pair reduce in
+    proofs/custom_ops_notes.md)."""
 
     def __init__(self, t: Tensor, peer: int, pg: dist.ProcessGroup, owner: bool) -> None:
         self.t = t
@@ -119,11 +117,8 @@ def new_empty(like: list[Tensor], shapes: list[int], ndims: list[int]) -> list[T
 
 
 def define_collective(qualname: str, schema: str) -> None:
-    """torch.library.define for an op that issues collectives: tagged never to be recomputed
-    by graph partitioners and registered side-effectful, so it is never dead-code eliminated
-    where a rank ignores its result (the other ranks would wait for it forever). Defined with
-    torch.library.define, not custom_op, so torch.func's transforms accept the functions that
-    call it (proofs/custom_ops_notes.md)."""
+    """torch.library.define for an op that issues collectives: never recomputed by graph
+    partitioners, never dead-code eliminated (proofs/custom_ops_notes.md)."""
     torch.library.define(qualname, schema, tags=(torch.Tag.nondeterministic_seeded,))
     ns, name = qualname.split("::")
     torch.fx.node.has_side_effect(getattr(getattr(torch.ops, ns), name).default)

@@ -2,12 +2,11 @@
 
 ticket: what a start op (dmuon::owner_broadcast_start, dmuon::two_stage_reduce_start) returned,
 redeemed once; like[i]: a tensor of output i's dtype and device (0-size will do); shapes/ndims:
-the outputs' shapes, flattened as in dmuon::owner_broadcast. `after` orders the wait after
-whatever produced it (the computation the collectives overlap), so no compiler moves it earlier
-and blocks there. Returns the outputs, in order.
+the outputs' shapes, flattened as in dmuon::owner_broadcast; `after`: orders the wait after the
+computation the collectives overlap. Returns the outputs, in order.
 
-No autograd: it ends an operation that has none. Registered side-effectful: a rank that drops
-its result must still wait for (and free) the collectives.
+No autograd: it ends an operation that has none. Side-effectful: a rank that drops its result
+must still wait for (and free) the collectives.
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@ locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder el
 shapes: the full shapes, flattened, with ndims[i] entries for parameter i.
 routes: 6 ints per parameter, (src, is_src, group_size, rep_src, is_rep_src, rep_size): the
 source's rank in `group` (a process-group name) and whether this rank is it; the last three
-are for the transpose, dmuon::two_stage_reduce. `after` is read by nobody: it orders the call
-after whatever produced it (the previous collective's ticket, the step's gradient reduce).
+are for the transpose, dmuon::two_stage_reduce. `after` is read by nobody: it orders the call.
 dmuon::owner_broadcast returns the full tensors, in order; dmuon::owner_broadcast_start issues
-the same broadcasts and returns a ticket for dmuon::collective_wait, so they travel while the
-graph computes (the staged Z3 step). One call carries every parameter: its broadcasts run in
-one fixed order on every rank whatever a scheduler does with the rank-specific graphs around it.
+the same broadcasts and returns a ticket for dmuon::collective_wait. One call carries every
+parameter, broadcast in one fixed order on every rank.
 
 No autograd: the step gathers outside the differentiated function and reduces the gradients of
 the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn.functional._step).

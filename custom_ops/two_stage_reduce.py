@@ -4,13 +4,10 @@ For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group`
 src; on that rank (the local owner), stage 2 sums over `rep_group` onto rep_src (the global
 owner) when rep_size > 1 (HSDP). The global owner gets scale·Σ over all G·R ranks; every other
 rank gets zeros shaped like its local slot (`local_shapes`: full on local owners, 0-size
-elsewhere), so each result has the shape of the parameter slot it is a gradient for. One call
-carries every parameter, in one fixed order on every rank. The gradients are copied when
-issued, so the caller's can go at once.
-
-dmuon::two_stage_reduce returns the results; dmuon::two_stage_reduce_start (with `after`, as
-dmuon::owner_broadcast_start's) issues stage 1 and returns a ticket: dmuon::collective_wait on
-it waits for stage 1, runs stage 2 and returns what two_stage_reduce returns.
+elsewhere). The gradients are copied when issued, so the caller's can go at once.
+dmuon::two_stage_reduce returns the results; dmuon::two_stage_reduce_start (with `after`)
+issues stage 1 and returns a ticket: dmuon::collective_wait on it waits for stage 1, runs
+stage 2 and returns the same results.
 
 No autograd: it transposes the gather for the step's gradient; nothing differentiates it.
 """
