@@ -1,15 +1,14 @@
 """SYRK kernels: the symmetric-output products behind `dmuon::syrk` and the Newton-Schulz steps.
 
-Every kernel computes `alpha·A·B + beta·C` (A: (..., n, k), B: (..., k, n), C: (..., n, n)
-symmetric or None) for a product known to be symmetric (`B = Aᵀ` for SYRK, or two commuting
-symmetric matrices in the Gram iteration), in A's dtype: exactly symmetric where it computes one
-triangle and mirrors it, symmetric to rounding where one GEMM computes the whole.
+Every kernel's `sym_mm(A, B, C, alpha, beta)` is alpha·A·B + beta·C for A: (..., n, k),
+B: (..., k, n), C: (..., n, n) symmetric or None, a product known to be symmetric (B = Aᵀ, or
+two commuting symmetric matrices in the Gram iteration), in A's dtype: exactly symmetric where
+it computes one triangle and mirrors it, symmetric to rounding where one GEMM computes it all.
 
 Kernels are plain data in `KERNELS`, by backend: `cpu.py` (torch GEMMs), `cute/` (the own CuTe
-DSL triangle kernel), `quack.py` (quack's). Which one runs is resolved per device by
-`resolve_kernel`: explicit name > $DMUON_NS_KERNEL > the device's auto ladder (evaluated once
-per device). Nothing holds a mutable "active kernel": the resolved name travels as an argument
-of every op call. The CUDA kernels import their DSLs lazily.
+DSL kernel), `quack.py`. `resolve_kernel` picks one per device: explicit name >
+$DMUON_NS_KERNEL > the device's auto ladder. No mutable "active kernel": the resolved name
+travels as an argument of every op call. The CUDA kernels import their DSLs lazily.
 """
 
 from __future__ import annotations
@@ -43,14 +42,8 @@ def _tensor_core(triangle: SymMM) -> SymMM:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A symmetric-product kernel.
-
-    name: what `kernel=` and `DMUON_NS_KERNEL` accept.
-    device_types: device types it runs on.
-    description: what `get_ns_backend()` prints about it.
-    sym_mm: (A, B, C, alpha, beta) -> alpha·A·B + beta·C, symmetric.
-    available: device -> (ok, reason when not ok).
-    """
+    """A symmetric-product kernel: `name` is what `kernel=` and $DMUON_NS_KERNEL accept,
+    `description` what `get_ns_backend()` prints, `available(device)` -> (ok, why not)."""
 
     name: str
     device_types: tuple[str, ...]
@@ -109,10 +102,9 @@ def kernel_names() -> list[str]:
     return sorted(KERNELS)
 
 
-# Per CUDA device index: the rows from which the auto ladder's tensor-core triangle kernel
-# beats one cuBLAS GEMM (inf: at no size), installed by dmuon_fn's dispatch, which measures it.
-# Below it `auto` runs cuBLAS: a triangle kernel's fixed launch cost exceeds the FLOPs it saves
-# on small matrices. Explicit kernels ignore it.
+# Per CUDA device index: the rows from which `auto`'s tensor-core triangle kernel beats one
+# cuBLAS GEMM (inf: at no size; below, its launch cost exceeds the FLOPs it saves), measured and
+# installed by dmuon_fn's dispatch. Explicit kernels ignore it.
 _CUDA_TRIANGLE_FROM: dict[int, float] = {}
 
 

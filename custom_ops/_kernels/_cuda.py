@@ -1,11 +1,7 @@
-"""What the CUDA triangle kernels share (torch only, no DSL import): device checks, and their
-operands (L, n8, k8) / (L, k8, n8) with contiguous extents that are multiples of 8 elements and
-16-byte aligned base pointers (both kernels read 16-byte vectors).
-
-`prepare` returns such operands without copying in the common cases (a contiguous A with
-B = A.mT, or a contiguous symmetric-product operand B) and otherwise copies, zero-padding n and
-k up to multiples of 8: zero rows of P and Q give zero rows and columns of the product and zero
-k columns add nothing, so the top-left n×n block of the padded result is the product.
+"""What the CUDA triangle kernels share (torch only, no DSL import): device checks, and operands
+whose contiguous extents are multiples of 8 elements and whose base pointers are 16-byte aligned
+(both kernels read 16-byte vectors), zero-padded where needed: the top-left n×n block of the
+padded product is the product (proofs/custom_ops_notes.md, "CuTe triangle SYRK").
 """
 
 from __future__ import annotations

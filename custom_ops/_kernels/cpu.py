@@ -1,15 +1,12 @@
 """The torch GEMM kernels: the CPU's lower-triangle row strips, and one full GEMM (any device).
 
-`triangle_product(A, B, C, alpha, beta, blocks)` = alpha·A·B + beta·C for A: (..., n, k),
-B: (..., k, n), C: (..., n, n) symmetric or None, a product known to be symmetric. With
-`blocks` > 1 it computes row strip [r0, r1) against columns [0, r1) (blocks·(blocks+1)/2 of
-blocks² tiles) and mirrors each strip's part left of its diagonal block above it: exactly
-symmetric there, each diagonal block one GEMM's output (symmetric to rounding). With one block
-it is one GEMM, symmetric to rounding. Returns A's dtype, shape (..., n, n).
-
-How many strips the CPU kernel takes per size is a table measured per machine by dmuon_fn's
-dispatch (dmuon_fn/ns/_dispatch.py) and installed with `set_cpu_strips`; until then every
-product is one GEMM, the plain `A @ B` (proofs/custom_ops_notes.md, "CPU strips").
+`triangle_product(A, B, C, alpha, beta, blocks)` = alpha·A·B + beta·C (shapes and symmetry as
+every kernel's, custom_ops/_kernels/__init__.py). With `blocks` > 1 it computes row strip
+[r0, r1) against columns [0, r1) (blocks·(blocks+1)/2 of blocks² tiles) and mirrors each strip's
+part left of its diagonal block above it: exactly symmetric there, each diagonal block one GEMM's
+output (symmetric to rounding). With one block it is one GEMM. The CPU kernel takes the strips
+of the installed table (`set_cpu_strips`; none until then: one GEMM, the plain `A @ B`).
+Rationale: proofs/custom_ops_notes.md, "CPU strips".
 """
 
 from __future__ import annotations
@@ -74,10 +71,8 @@ def _as_batched(t: Tensor) -> Tensor:
 
 
 def _mirror_lower_(out: Tensor, bounds: list[int]) -> Tensor:
-    """Write the transpose of each strip's part left of its diagonal block, out[r0:r1, :r0],
-    into out[:r0, r0:r1], in place. When n is a multiple of 128 the part is first copied into
-    a scratch buffer with a padded row stride: read column-wise, a power-of-two stride maps a
-    whole column into a few cache sets (proofs/custom_ops_notes.md, "CPU strips")."""
+    """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds` (through
+    a scratch buffer of padded row stride when n is a multiple of 128: fewer cache conflicts)."""
     n = out.shape[-1]
     conflicts = n % 128 == 0  # elsewhere the scratch copy costs more than it saves
     scratch = None

@@ -1,16 +1,12 @@
 """Compiled CuTe DSL kernels: compiled once per process, kept on disk across processes.
 
-Location: `<cache_dir>/cute/<arch>/<key>.o` (custom_ops._disk: $DMUON_CACHE_DIR, else
-$XDG_CACHE_HOME/dmuon_fn). <arch> is the target ("sm_80", "sm_90a", ...); <key> hashes the
-kernel's source (`syrk_sm80.py`, `_tiles.py`), the installed nvidia-cutlass-dsl version and the
-variant (dtype, Q's major mode, whether C is read, tile config), so a changed kernel or DSL
-never loads a stale object. Deleting the directory is always safe.
-
-One variant is compiled at most once per process and, through a lock file next to the object,
-once per machine: ranks that share a node wait for the first compile and load its object.
-Each variant has one fixed tile configuration (`TileConfig`): no autotuning. The disk cache is
-an optimization only: when exporting or loading an object fails, a warning says so and the
-kernel compiled in memory runs; DMUON_CUTE_DISK_CACHE=0 turns it off.
+Location: `<cache_dir>/cute/<arch>/<key>.o` (custom_ops._disk), <arch> the target ("sm_80",
+"sm_90a", ...), <key> a hash of the kernel's source (`syrk_sm80.py`, `_tiles.py`), the
+nvidia-cutlass-dsl version and the variant (dtype, Q's major mode, whether C is read, tile
+config): a changed kernel or DSL never loads a stale object; deleting it is always safe. A lock
+file next to the object makes ranks that share a node wait for the first compile and load its
+object. The disk cache is an optimization only: when exporting or loading fails, a warning says
+so and the kernel compiled in memory runs; DMUON_CUTE_DISK_CACHE=0 turns it off.
 """
 
 from __future__ import annotations

@@ -6,18 +6,9 @@ symmetric (only its upper tiles are read). n and k must be multiples of 8 and ev
 pointer 16-byte aligned (128-bit cp.async / stores); the caller (`triangle_sym_mm`) pads other
 shapes with zeros. The int32 tile index bounds n to 2**21 (16384 tiles a side).
 
-Design (an Ampere tensor-core GEMM restricted to one triangle; proofs/cute_syrk.md):
-- grid (T·(T+1)/2, 1, L), T = ceil(n / 128): CTA t computes tile (i, j), i ≤ j, t = j(j+1)/2 + i.
-- 128×128×32 CTA tile, 4 warps (2×2), `mma.sync` m16n8k16 with fp32 accumulators; a 3-stage
-  cp.async pipeline into swizzled shared memory, ldmatrix into registers. The ragged k slab
-  comes first (origin shifted by k − 32·ceil(k/32) ≤ 0, negative columns predicated off), rows
-  ≥ n are predicated off; zero-filled shared memory stands in for them.
-- epilogue: acc ← alpha·acc + beta·C[i, j] in fp32 (C's tile staged through shared memory),
-  rounded to the output dtype into a shared-memory tile; a diagonal tile copies its upper
-  triangle onto its lower one; the tile is stored to D[i, j] with row-vectors and, when i ≠ j,
-  to D[j, i] with column-vectors of the same tile (D viewed transposed), so D is exactly
-  symmetric.
-
+Design: an Ampere tensor-core GEMM (mma.sync, cp.async pipeline, ldmatrix) restricted to the
+tiles on and above the diagonal, each stored to both of its mirror positions
+(proofs/custom_ops_notes.md, "CuTe triangle SYRK"; correctness: proofs/cute_syrk.md).
 This module imports `cutlass` (nvidia-cutlass-dsl) at import time; import it lazily.
 """
 
@@ -320,9 +311,7 @@ class TriangleSyrk:
             cute.make_identity_tensor((n, n)), self.cta_tiler, coord, proj=(1, 1, None)
         )
         if cutlass.const_expr(self.has_c):
-            # C's tile goes through shared memory (coalesced 128-bit loads, zero outside n)
-            # and is read back in the accumulator's layout, updating acc in place: loading it
-            # straight from global memory into a second fragment runs out of registers.
+            # C's tile through shared memory, read back in acc's layout: fewer registers
             gC = cute.local_tile(mC[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
             _tiles.load_tile(copy_D, tidx, gC, sD, cD, n, self.dtype)
             cute.arch.sync_threads()
@@ -373,26 +362,12 @@ def compile_kernel(
     Returns the compiled function: call it as (pP, pQ, pC, pD, n, k, batch, alpha, beta,
     stream) with 16-byte-aligned global pointers from `cute.runtime.make_ptr`.
     """
-    el = DTYPES[dtype]
-
-    def ptr():
-        return cute.runtime.make_ptr(el, 0, cute.AddressSpace.gmem, assumed_align=16)
-
     options = f"--gpu-arch {arch} {extra_options}".strip()
     if keep_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
     op = TriangleSyrk(dtype, q_k_major, has_c, cfg)
-    return cute.compile(
-        op,
-        ptr(),
-        ptr(),
-        ptr(),
-        ptr(),
-        Int32(8),
-        Int32(8),
-        Int32(1),
-        Float32(1.0),
-        Float32(0.0),
-        cute.runtime.make_fake_stream(),
-        options=options,
-    )
+    el, gmem = DTYPES[dtype], cute.AddressSpace.gmem
+    ptrs = [cute.runtime.make_ptr(el, 0, gmem, assumed_align=16) for _ in range(4)]
+    sizes, scalars = (Int32(8), Int32(8), Int32(1)), (Float32(1.0), Float32(0.0))
+    stream = cute.runtime.make_fake_stream()
+    return cute.compile(op, *ptrs, *sizes, *scalars, stream, options=options)
