@@ -35,11 +35,11 @@ def _issue(
     scale: float,
     after: list[Tensor] | None = None,
 ) -> Finish:
-    bufs, works, rows = [], [], []  # never the caller's gradients: they can go at once
+    rows = []  # never the caller's gradients: they can go at once
     for full, shape, (src, is_src, size, *rep) in per_param(fulls, local_shapes, ndims, routes):
-        bufs.append(full.contiguous().clone())
-        works.append(reduce_start(bufs[-1], src, _group(group)) if size > 1 else None)
-        rows.append((bufs[-1], works[-1], shape, is_src, *rep))
+        buf = full.contiguous().clone()
+        work = reduce_start(buf, src, _group(group)) if size > 1 else None
+        rows.append((buf, work, shape, is_src, *rep))
 
     def finish() -> list[Tensor]:
         out = []
