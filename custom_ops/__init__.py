@@ -9,25 +9,25 @@ from . import gram_ns_step as _gram_ns_step  # noqa: F401
 from . import lpt_partition as _lpt_partition  # noqa: F401
 from . import ns_step as _ns_step  # noqa: F401
 from . import owner_broadcast as _owner_broadcast  # noqa: F401
-from . import owner_broadcast_start as _owner_broadcast_start  # noqa: F401
 from . import param_gather as _param_gather  # noqa: F401
 from . import param_reduce as _param_reduce  # noqa: F401
 from . import syrk as _syrk  # noqa: F401
 from . import two_stage_reduce as _two_stage_reduce  # noqa: F401
-from . import two_stage_reduce_start as _two_stage_reduce_start  # noqa: F401
 from ._disk import cache_dir, locked
 from ._kernels import (
     KERNELS,
-    MIN_STRIP_ROWS,
     auto_kernel,
-    check_cpu_strips,
-    cpu_strips,
     cuda_triangle_rows,
     describe,
     kernel_names,
     resolve_kernel,
-    set_cpu_strips,
     set_cuda_triangle_rows,
+)
+from ._kernels.cpu import (
+    MIN_STRIP_ROWS,
+    check_cpu_strips,
+    cpu_strips,
+    set_cpu_strips,
     triangle_product,
 )
 from ._registry import OpSpec, register_op, registered_ops

@@ -1,17 +1,25 @@
-"""Blocking c10d collectives behind the communication ops and dmuon_fn's object API.
+"""c10d collectives behind the communication ops and dmuon_fn's object API, and the one way an
+op that issues collectives is defined (`define_async`).
 
-Groups are a ProcessGroup or its name (ops can carry only the name in their schema). Inside an
-op the collective is opaque to tracing: a compiled graph calls the op, the op calls c10d. A group
-of size 1 returns at once without torch.distributed.
+Groups are a ProcessGroup or its name (ops carry only the name in their schema). A group of
+size 1 returns at once without torch.distributed. Inside an op the collectives are opaque to
+tracing: a compiled graph calls the op, the op calls c10d.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _tickets
+from ._registry import OpSpec, Sample, register_op
+
 Group = dist.ProcessGroup | str
+# What an asynchronous op's `issue` returns: waits for its collectives, returns the results.
+Finish = Callable[[], list[Tensor]]
 
 
 def _group(group: Group) -> dist.ProcessGroup:
@@ -20,19 +28,24 @@ def _group(group: Group) -> dist.ProcessGroup:
     return group
 
 
+def broadcast_start(t: Tensor, src: int, group: Group, size: int):
+    """Issue the broadcast of `t`, in place, from group rank `src`: its work (None for size 1)."""
+    if size == 1:
+        return None
+    pg = _group(group)
+    return dist.broadcast(t, src=dist.get_global_rank(pg, src), group=pg, async_op=True)
+
+
 def broadcast_into(t: Tensor, src: int, group: Group, size: int) -> Tensor:
-    """In place, from group rank `src`."""
-    if size > 1:
-        pg = _group(group)
-        dist.broadcast(t, src=dist.get_global_rank(pg, src), group=pg)
+    """In place, from group rank `src`; returns `t` once it has landed."""
+    wait_all([broadcast_start(t, src, group, size)])
     return t
 
 
-def reduce_sum(t: Tensor, dst: int, group: Group, size: int) -> Tensor:
-    """In place, the sum onto group rank `dst` (gloo has no AVG: callers scale once after)."""
-    if size > 1:
-        reduce_start(t, dst, _group(group)).wait()
-    return t
+def wait_all(works: Iterable) -> None:
+    for w in works:
+        if w is not None:
+            w.wait()
 
 
 # the tag of the pair reduce's transfers: apart from tag 0, which user code sends on
@@ -40,16 +53,9 @@ PAIR_TAG = 0x6D75
 
 
 class PairReduce:
-    """A sum onto one rank of a gloo group of two, as one transfer: the other rank sends its
-    buffer, the owner receives it into a buffer of its own and adds it on `wait`.
-
-    gloo's reduce moves 1.5-2.2x the payload through the network for two ranks (measured on a
-    loopback's byte counters: ring phases in both directions), a transfer moves it once. The
-    owner's result is the same bits: a sum of two terms does not depend on their order. Each
-    reduce has both ranks of the pair at its two ends, and gloo matches one pair's transfers of
-    one tag in issue order, so every rank issuing its reduces in one program order pairs them up
-    as collectives would.
-    """
+    """A sum onto one rank of a gloo group of two as one transfer, the same bits as a reduce:
+    the other rank sends `t`, the owner adds what it receives on `wait` (the pair reduce in
+    proofs/custom_ops_notes.md)."""
 
     def __init__(self, t: Tensor, peer: int, pg: dist.ProcessGroup, owner: bool) -> None:
         self.t = t
@@ -89,15 +95,59 @@ def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
     return dist.reduce(t, dst=dst_global, op=dist.ReduceOp.SUM, group=pg, async_op=True)
 
 
-def define_collective(qualname: str, schema: str) -> None:
-    """torch.library.define for an op that issues collectives.
+def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
+    """The flattened `shapes` cut into one shape per tensor, tensor i having ndims[i] dims."""
+    out, i = [], 0
+    for nd in ndims:
+        out.append(list(shapes[i : i + nd]))
+        i += nd
+    return out
 
-    Defined with torch.library.define rather than custom_op: custom_op wraps every call in an
-    autograd.Function without setup_context, which torch.func's transforms reject, and these
-    ops run inside functions that torch.func differentiates. Tagged never to be recomputed by
-    graph partitioners and registered side-effectful, so it is never dead-code eliminated where
-    a rank ignores its result: the other ranks would wait for it forever.
-    """
+
+def per_param(tensors: list[Tensor], shapes: list[int], ndims: list[int], routes: list[int]):
+    """(tensor, shape, route) per parameter: `shapes` cut by `split_shapes`, six `routes` ints
+    each, (src, is_src, group_size, rep_src, is_rep_src, rep_size)."""
+    routes_ = [tuple(routes[i : i + 6]) for i in range(0, len(routes), 6)]
+    return zip(tensors, split_shapes(shapes, ndims), routes_, strict=True)
+
+
+def new_empty(like: list[Tensor], shapes: list[int], ndims: list[int]) -> list[Tensor]:
+    """Empty tensors of the shapes `split_shapes` gives, each in like[i]'s dtype and device."""
+    return [t.new_empty(s) for t, s in zip(like, split_shapes(shapes, ndims), strict=True)]
+
+
+def define_collective(qualname: str, schema: str) -> None:
+    """torch.library.define for an op that issues collectives: never recomputed by graph
+    partitioners, never dead-code eliminated (proofs/custom_ops_notes.md)."""
     torch.library.define(qualname, schema, tags=(torch.Tag.nondeterministic_seeded,))
     ns, name = qualname.split("::")
     torch.fx.node.has_side_effect(getattr(getattr(torch.ops, ns), name).default)
+
+
+def define_async(
+    name: str,
+    args: str,
+    issue: Callable[..., Finish],
+    fake: Callable[..., list[Tensor]],
+    samples: Callable[[], Iterable[Sample]],
+    start_args: str | None = None,
+) -> None:
+    """Define and register the two forms of one collective operation from one `issue`.
+
+    `issue(*args)` issues the collectives asynchronously and returns the `Finish` that waits
+    for them. dmuon::<name> (schema `args` -> Tensor[]) runs it and returns the results;
+    dmuon::<name>_start (schema `start_args`, default `args`, -> Tensor) returns a ticket
+    (custom_ops._tickets) that dmuon::collective_wait redeems for the same results. `fake`:
+    dmuon::<name>'s fake. No autograd for either: the op files say why.
+    """
+    blocking, start = f"dmuon::{name}", f"dmuon::{name}_start"
+    define_collective(blocking, f"({args}) -> Tensor[]")
+    define_collective(start, f"({start_args or args}) -> Tensor")
+    impl = "CompositeExplicitAutograd"
+    torch.library.impl(blocking, impl)(lambda *a, **kw: issue(*a, **kw)())
+    torch.library.impl(start, impl)(lambda *a, **kw: _tickets.issue(issue(*a, **kw)))
+    torch.library.register_fake(blocking)(fake)
+    torch.library.register_fake(start)(lambda *a, **kw: _tickets.fake_ticket())
+    register_op(OpSpec(blocking, getattr(torch.ops.dmuon, name), samples, False))
+    op = getattr(torch.ops.dmuon, f"{name}_start")
+    register_op(OpSpec(start, op, samples, False, ticket=True))

@@ -1,20 +1,12 @@
-"""Handles: tensors that name a Python object to dmuon::param_gather / dmuon::param_reduce.
+"""Handles: tensors that name a Python object to dmuon::gather_start / param_gather / param_reduce.
 
-dmuon_fn's object API gathers each dedicated parameter from its owner before the module that
-uses it runs (dmuon::gather_start issues a block's gathers ahead), and sums its gradient back
-onto the owner in backward. Who owns the parameter,
-its groups and its pending HSDP publish are per-parameter Python state; inside a compiled
-block they must not be graph constants (every block would compile its own graph, and each rank
-another) nor graph inputs shaped by ownership (full on the owner, 0-size elsewhere). So the ops
-take a handle: a one-element float64 CPU tensor whose value keys a registry of `Handler`s
-(one element, not 0-d: Dynamo turns a 0-d float64 CPU input into a symbolic float and
-restarts its analysis to specialize it). Every
-handle has the same metadata, so one graph serves every block of a model on every rank, and the
-ops stay opaque to tracing: the handler's code runs when the op runs.
-
-A handle's `.grad` is set by autograd whenever backward reaches the gather of the parameter it
-names (`param_reduce` returns it), which is how the owner knows the parameter took part in a
-step. The registry holds handlers weakly: a handler lives as long as its owner keeps it.
+A handle is a one-element float64 CPU tensor whose value keys a registry of `Handler`s (dmuon_fn's
+object API: one per dedicated parameter's module slot, holding its owner, groups and pending
+publish). Every handle has the same metadata, so one compiled graph serves every block on every
+rank, and the ops stay opaque to tracing: the handler's code runs when the op runs
+(proofs/custom_ops_notes.md, "Handles"). A handle's `.grad` is set by autograd whenever backward
+reaches the gather of the parameter it names. The registry holds handlers weakly: a handler
+lives as long as its owner keeps it.
 """
 
 from __future__ import annotations

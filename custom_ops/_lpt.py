@@ -1,28 +1,23 @@
-"""Owner scheduling: LPT, layer spreading, local refinement and byte balance, in plain Python.
+"""Owner scheduling in plain Python: LPT, refinement, layer spreading and byte balance.
 
-The one implementation behind `dmuon::lpt_partition` and the planner `dmuon_fn.partition`.
-Items 0..n-1 have a cost (compute), a group (a layer; -1 for none) and a byte count. Slots
-0..S-1 form R replicas of G = S / R shard columns: slot s is shard s % G of replica s // G, so
-ties, broken by the lowest slot, fill different shard columns first.
+The one implementation behind `dmuon::lpt_partition` and the planner `dmuon_fn.partition`
+(proofs/partition.md). Items 0..n-1 have a cost (compute), a group (a layer; -1 for none) and a
+byte count. Slots 0..S-1 form R replicas of G = S / R shard columns: slot s is shard s % G of
+replica s // G, so ties, broken by the lowest slot, fill different shard columns first.
 
     1. plain LPT: items by (cost descending, index), each to the slot of least (load, index).
-       Its makespan M0 is at most (4/3 − 1/(3S))·OPT (Graham 1969; proofs/partition.md).
     2. refine: exchanges between the heaviest slot and the _WIDTH lightest (a move, a swap, or
-       a one-for-two trade) that bring both below the heaviest load; the maximum never rises.
-    3. spread: a group of k items should put at most ⌈k/G⌉ in one shard column and ⌈k/S⌉ on
-       one slot, so one layer's owners broadcast in parallel. Candidates:
-       A = step 2's schedule M_A, then exchanges that each remove an excess item while every
-           slot stays <= M_A;
-       B = LPT restricted to slots within the caps (always possible), refined within the caps.
-       B is kept if it is no slower than A, or if A keeps some excess and B's makespan is at
-       most `spread_limit` (<= the LPT bound; with spread_tolerance 0, <= M0).
+       a one-for-two trade) that bring both below the heaviest load.
+    3. spread: at most ⌈k/G⌉ items of a k-item group per shard column, ⌈k/S⌉ per slot.
+       A = step 2's schedule (makespan M_A), then exchanges that each remove an excess item
+       while every slot stays <= M_A; B = LPT within the caps, refined within them. B is kept
+       if no slower than A, or if A keeps some excess and B is within `spread_limit`.
     4. bytes: exchanges between the shard column with the most bytes and the lightest ones,
-       keeping every slot <= the makespan and adding no excess, until the fullest column is
-       within BYTES_SLACK of the mean.
+       every slot <= the makespan, no excess added, until the fullest column is within
+       BYTES_SLACK of the mean.
 
-Runs on exact integers (`exact`), so sums do not depend on order and "never raises the maximum"
-holds to the last bit. Every choice is a deterministic function of the values in index order;
-callers pass items in name order, so ties are broken by name.
+Runs on exact integers (`exact`); every choice is a deterministic function of the values in
+index order, and callers pass items in name order.
 """
 
 from __future__ import annotations
@@ -35,22 +30,18 @@ from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 
-# Lightest slots (or columns) each refinement round tries against the heaviest: enough to find
-# the improving exchanges on the models we plan (BENCHMARKS.md), few enough that planning 700
-# units over 512 slots stays well under a second.
+# Lightest slots (or columns) each refinement round tries against the heaviest.
 _WIDTH = 16
 # Lightest shard columns each byte-balance round tries against the fullest (each has R slots).
 _COL_WIDTH = 2
 # Concrete (a, b) pairs tried per pair of interchangeable classes before giving up on it.
 _TRIES = 8
 
-# Makespan the spread schedule may cost over the refined plain one (step 3): one layer's
-# broadcasts in parallel against at most this much longer optimizer step.
+# Makespan the spread schedule may cost over the refined plain one (step 3).
 SPREAD_TOLERANCE = 0.01
 # Step 4 stops once the fullest shard column holds at most this fraction above the mean bytes.
 BYTES_SLACK = Fraction(1, 100)
-# Two-item bundles are formed only in slots with at most this many (cost, bytes) classes; a slot
-# with more distinct items is already fine-grained enough for one-item exchanges.
+# Two-item bundles only in slots of at most this many (cost, bytes) classes.
 _PAIR_CLASSES = 12
 
 # (cost sum, bytes sum, item lists): 0-2 items of one slot, taken by (cost, bytes) class.
@@ -79,13 +70,15 @@ def lpt(costs: Sequence[int], num_slots: int) -> list[int]:
 class Spread:
     """Per-group caps and counts: ⌈k/G⌉ items of a k-item group per shard column, ⌈k/S⌉ per slot."""
 
-    def __init__(self, groups: Sequence[int], num_slots: int, columns: int) -> None:
+    def __init__(self, groups: Sequence[int], num_slots: int, columns: int, owners=()) -> None:
         sizes = Counter(g for g in groups if g >= 0)
         self.groups, self.columns = groups, columns
         self.cap_col = {g: -(-k // columns) for g, k in sizes.items()}
         self.cap_slot = {g: -(-k // num_slots) for g, k in sizes.items()}
         self.col: Counter[tuple[int, int]] = Counter()
         self.slot: Counter[tuple[int, int]] = Counter()
+        for i, s in enumerate(owners):  # counting an existing assignment
+            self.add(i, s)
 
     def add(self, i: int, s: int, n: int = 1) -> None:
         g = self.groups[i]
@@ -151,6 +144,9 @@ class _State:
         for i, s in enumerate(owners):
             self.members[s].add(i)
             self.col_bytes[s % columns] += nbytes[i]
+
+    def half_gap(self, src: int, dst: int) -> int:  # the cost that evens the two slots out
+        return (self.loads[src] - self.loads[dst]) // 2
 
     def bundles(self, s: int, most: int) -> list[Bundle]:
         """Up to `most` items of slot s, by (cost, bytes) class: (cost, bytes, item lists)."""
@@ -268,10 +264,7 @@ def refine(st: _State, max_rounds: int) -> None:
             new = max(top - d, st.loads[dst] + d)
             return new if d > 0 and new < top else None
 
-        def center(src, dst):
-            return (st.loads[src] - st.loads[dst]) // 2
-
-        best = st.best([(h, st.bundles(h, 2))], _lightest(st.loads, top), 0, center, score)
+        best = st.best([(h, st.bundles(h, 2))], _lightest(st.loads, top), 0, st.half_gap, score)
         if best is None:
             return
         st.apply(*best[1:])
@@ -295,11 +288,8 @@ def repair(st: _State, max_rounds: int) -> None:
             new = max(st.loads[src] - d, st.loads[dst] + d)
             return None if new > cap else new
 
-        def center(src, dst):
-            return (st.loads[src] - st.loads[dst]) // 2
-
         srcs = [(src, [(st.costs[item], st.nbytes[item], ([item],))])]
-        best = st.best(srcs, dsts, 0, center, score, strict=True)
+        best = st.best(srcs, dsts, 0, st.half_gap, score, strict=True)
         if best is None:
             stuck.add(item)
         else:
@@ -373,11 +363,8 @@ def schedule(
     for name, seq in (("groups", groups), ("nbytes", nbytes or [0] * n)):
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} entries for {n} costs")
-    for name, seq in (
-        ("costs", costs),
-        ("nbytes", nbytes or ()),
-        ("spread_tolerance", [spread_tolerance]),
-    ):
+    reals = {"costs": costs, "nbytes": nbytes or (), "spread_tolerance": [spread_tolerance]}
+    for name, seq in reals.items():
         if any(not 0 <= v < math.inf for v in seq):
             raise ValueError(f"{name} must be finite and >= 0")
     q, _ = exact(costs)
@@ -400,9 +387,7 @@ def schedule(
         if max(st_b.loads) <= m_a:  # no excess and no slower: nothing to weigh
             st = st_b
         else:
-            sp_a = Spread(groups, num_slots, cols)
-            for i, s in enumerate(st.owners):
-                sp_a.add(i, s)
+            sp_a = Spread(groups, num_slots, cols, st.owners)
             st = state(st.owners, sp_a)
             repair(st, rounds)
             m0 = max(slot_loads(q, base, num_slots))

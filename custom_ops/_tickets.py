@@ -1,11 +1,10 @@
 """Tickets: what an asynchronous collective op hands to the op that waits for it.
 
 A start op (dmuon::owner_broadcast_start, dmuon::two_stage_reduce_start) issues its collectives
-asynchronously and returns a ticket, a one-element int64 CPU tensor whose value keys the
-collectives' completion here; dmuon::collective_wait redeems it for the results. The ticket is
-a tensor, so the wait depends on the start in any graph (a compiler cannot reorder them), and
-start ops take the previous ticket in `after`, so one chain of tickets orders every collective
-of a step the same way on every rank.
+and returns a ticket, a one-element int64 CPU tensor whose value keys the collectives' `finish`
+here; dmuon::collective_wait redeems it for the results. Being a tensor, the ticket makes the
+wait depend on the start in any graph, and start ops take the previous ticket in `after`, so
+one chain of tickets orders every collective of a step the same way on every rank.
 """
 
 from __future__ import annotations

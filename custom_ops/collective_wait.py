@@ -1,13 +1,12 @@
 """dmuon::collective_wait — the results of an asynchronous collective op, once it has landed.
 
-ticket: what dmuon::owner_broadcast_start or dmuon::two_stage_reduce_start returned (redeemed
-once); like[i]: a tensor of output i's dtype and device (0-size will do); shapes/ndims: the
-outputs' shapes, flattened as in dmuon::owner_broadcast. `after` orders the wait after whatever
-produced it (the computation the collectives overlap), so no compiler moves it earlier and
-blocks there. Returns the outputs, in order.
+ticket: what a start op (dmuon::owner_broadcast_start, dmuon::two_stage_reduce_start) returned,
+redeemed once; like[i]: a tensor of output i's dtype and device (0-size will do); shapes/ndims:
+the outputs' shapes, flattened as in dmuon::owner_broadcast; `after`: orders the wait after the
+computation the collectives overlap. Returns the outputs, in order.
 
-No autograd: it ends an operation that has none. Registered side-effectful: a rank that drops
-its result must still wait (and free) the collectives.
+No autograd: it ends an operation that has none. Side-effectful: a rank that drops its result
+must still wait for (and free) the collectives.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ import torch
 from torch import Tensor
 
 from . import _tickets
-from ._collectives import define_collective
+from ._collectives import define_collective, new_empty, split_shapes
 from ._registry import OpSpec, register_op
-from .owner_broadcast import split_shapes
 
 define_collective(
     "dmuon::collective_wait",
@@ -35,8 +33,7 @@ def collective_wait(
     after: list[Tensor] | None = None,
 ) -> list[Tensor]:
     out = _tickets.redeem(ticket)
-    want = split_shapes(shapes, ndims)
-    for t, ref, shape in zip(out, like, want, strict=True):
+    for t, ref, shape in zip(out, like, split_shapes(shapes, ndims), strict=True):
         if list(t.shape) != shape or t.dtype != ref.dtype or t.device != ref.device:
             raise RuntimeError(
                 f"dmuon::collective_wait: got {tuple(t.shape)} {t.dtype} on {t.device}, the "
@@ -47,7 +44,7 @@ def collective_wait(
 
 @torch.library.register_fake("dmuon::collective_wait")
 def _(ticket, like, shapes, ndims, after=None):
-    return [t.new_empty(s) for t, s in zip(like, split_shapes(shapes, ndims), strict=True)]
+    return new_empty(like, shapes, ndims)
 
 
 def _samples():

@@ -2,12 +2,10 @@
 
 handles: the handles (custom_ops._handles) of the parameters of one unit (a block). The handler
 issues the unit's gathers (collectives on every rank of the group, in the same order) if they
-are not already on their way, and returns at once; each parameter's dmuon::param_gather later
-waits for its value. A block compiled with torch.compile begins its graph with this op, so its
-gathers travel while the block computes up to each parameter's first use.
+are not on their way yet, and returns at once; each parameter's dmuon::param_gather waits for
+its value later. A compiled block begins its graph with this op.
 
-No outputs and no autograd: nothing flows out of it. Registered side-effectful, so it is never
-dead-code eliminated (the other ranks would wait for its collectives).
+No outputs and no autograd: nothing flows out of it. Side-effectful, never eliminated.
 """
 
 from __future__ import annotations

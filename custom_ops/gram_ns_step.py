@@ -1,18 +1,16 @@
 """dmuon::gram_ns_step — one Newton-Schulz step carried out in Gram space.
 
-With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every Q_k and R_k is a polynomial in R_0, so all the
-products below are of commuting symmetric matrices: symmetric, computed as SYRK-style triangles.
-The step polynomial is P = a·I + Z with Z = b·R + c·R², and Q is carried as q·I + Q_z: the
-identity parts stay exact Python floats and enter each product through the GEMM's fp32 `beta`
-accumulation. Materializing P = a·I + Z in bf16 would round its dominant diagonal at 2⁻⁸·a and
-wash out the information in Z (measured: a rank-1-plus-noise 32×256 matrix then diverges to
-σ_max = 126; kept apart, it stays at the standard iteration's error).
+With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every Q_k and R_k is a polynomial in R_0, so every product
+below is of commuting symmetric matrices: symmetric, computed by the SYRK kernels. The step
+polynomial is P = a·I + Z with Z = b·R + c·R², and Q is carried as q·I + Q_z: the identity parts
+stay exact Python floats and enter each product through the GEMM's fp32 `beta` accumulation,
+never rounded into a bf16 diagonal (proofs/custom_ops_notes.md, "Gram step").
 
     Z    = b·R + c·R²                       (syrk of R with C = R)
     Q_z' = Z·Q_z + a·Q_z + q·Z              (q·Z when Q_z is None, i.e. Q = q·I)
     R'   = Z·T + a·T,  T = Z·R + a·R        (P·R·P; only when `update_r`)
 so that Q' = (a·q)·I + Q_z'. R: (..., n, n); Q_z: (..., n, n) or None. Returns (Q_z', R'); when
-`update_r` is False R' is a (..., 0, 0) placeholder, since the last step of a segment never uses it.
+`update_r` is False R' is a (..., 0, 0) placeholder (the last step of a segment never uses it).
 
 No autograd: like dmuon::ns_step, this computes an optimizer update and is never differentiated.
 """
@@ -23,8 +21,7 @@ import torch
 from torch import Tensor
 
 from ._kernels import resolve_kernel
-from ._registry import OpSpec, register_op
-from ._vmap import batch_first
+from ._registry import OpSpec, register_batched_vmap, register_op
 
 
 def _check(R: Tensor, Qz: Tensor | None) -> None:
@@ -70,12 +67,7 @@ def _(R, Qz, a, b, c, q=1.0, update_r=True, impl="auto"):
     return R.new_empty(R.shape), R.new_empty(r_shape)
 
 
-@gram_ns_step.register_vmap
-def _(info, in_dims, R, Qz, a, b, c, q=1.0, update_r=True, impl="auto"):
-    R = batch_first(R, in_dims[0], info.batch_size)
-    Qz = batch_first(Qz, in_dims[1], info.batch_size)
-    out = torch.ops.dmuon.gram_ns_step(R, Qz, a, b, c, q, update_r=update_r, impl=impl)
-    return out, (0, 0)
+register_batched_vmap(gram_ns_step, 2, (0, 0))
 
 
 def _samples():

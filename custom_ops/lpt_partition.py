@@ -1,13 +1,10 @@
 """dmuon::lpt_partition — owner slot of each scheduling unit, by the planner's algorithm.
 
-costs: (n,) real, finite, >= 0 (FLOPs per unit). world_size: number of slots S.
-groups: (n,) int64 layer id per unit, -1 for none; nbytes: (n,) real bytes per unit.
-replicate_size: R dividing S (slot s is shard s % (S/R) of replica s // (S/R)).
-Returns (n,) int64 owner slots in [0, S), on costs' device: `custom_ops._lpt.schedule`, the
-same function `dmuon_fn.partition` runs, so the op and the planner cannot disagree.
-
-The world size arrives as an explicit int, so the fake needs no process group: shape (n,) int64.
-The values depend on the data (the schedule is computed on the host); the shape does not.
+costs: (n,) real, finite, >= 0 (FLOPs per unit). world_size: number of slots S (an explicit
+int: the fake needs no process group). groups: (n,) int64 layer id per unit, -1 for none;
+nbytes: (n,) real bytes per unit. replicate_size: R dividing S (slot s is shard s % (S/R) of
+replica s // (S/R)). Returns (n,) int64 owner slots in [0, S), on costs' device, computed on the
+host by `custom_ops._lpt.schedule`, the function `dmuon_fn.partition` runs.
 
 No autograd: the output is integer slot indices, piecewise constant in the costs.
 """
@@ -62,15 +59,7 @@ def lpt_partition(
 
 
 @lpt_partition.register_fake
-def _(
-    costs,
-    world_size,
-    groups=None,
-    nbytes=None,
-    replicate_size=1,
-    refine=True,
-    spread_tolerance=SPREAD_TOLERANCE,
-):
+def _(costs, world_size, groups=None, nbytes=None, *options):
     _check(costs, groups, nbytes)
     return costs.new_empty(costs.shape, dtype=torch.int64)
 

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 
 from ._kernels import resolve_kernel
-from ._registry import OpSpec, register_op
-from ._vmap import batch_first
+from ._registry import OpSpec, register_batched_vmap, register_op
 
 
 def _check(X: Tensor) -> None:
@@ -45,10 +44,7 @@ def _(X, a, b, c, impl="auto"):
     return torch.empty_like(X)
 
 
-@ns_step.register_vmap
-def _(info, in_dims, X, a, b, c, impl="auto"):
-    X = batch_first(X, in_dims[0], info.batch_size)
-    return torch.ops.dmuon.ns_step(X, a, b, c, impl=impl), 0
+register_batched_vmap(ns_step, 1, 0)
 
 
 def _samples():

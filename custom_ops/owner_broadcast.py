@@ -1,17 +1,16 @@
-"""dmuon::owner_broadcast — each parameter's full tensor, from its owner, on every rank of a group.
-
-One call carries every parameter of a step, so the collectives run in one fixed order on every
-rank whatever a graph scheduler does with the rank-specific graphs around it (a non-owner's graph
-differs from the owner's).
+"""dmuon::owner_broadcast(_start) — each parameter's full tensor, from its owner, on every rank.
 
 locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder elsewhere.
 shapes: the full shapes, flattened, with ndims[i] entries for parameter i.
 routes: 6 ints per parameter, (src, is_src, group_size, rep_src, is_rep_src, rep_size): the
-source's rank in `group` and whether this rank is it; the last three are for the transpose,
-dmuon::two_stage_reduce (rep_size 1: no second stage). Group arguments are process-group names;
-a group of size 1 never touches torch.distributed. `after` is read by nobody: it orders this call
-after whatever produced it (the publish after the step's gradient reduce).
-Returns the full tensors, in order.
+source's rank in `group` (a process-group name) and whether this rank is it; the last three
+are for the transpose, dmuon::two_stage_reduce. `after` is read by nobody: it orders the call.
+dmuon::owner_broadcast returns the full tensors, in order; dmuon::owner_broadcast_start issues
+the same broadcasts and returns a ticket for dmuon::collective_wait. One call carries every
+parameter, broadcast in one fixed order on every rank.
+
+No autograd: the step gathers outside the differentiated function and reduces the gradients of
+the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn.functional._step).
 """
 
 from __future__ import annotations
@@ -19,48 +18,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._collectives import broadcast_into, define_collective
-from ._registry import OpSpec, register_op
-
-define_collective(
-    "dmuon::owner_broadcast",
-    "(Tensor[] locals, int[] shapes, int[] ndims, int[] routes, str group, "
-    "Tensor[]? after=None) -> Tensor[]",
-)
+from ._collectives import Finish, broadcast_start, define_async, new_empty, per_param, wait_all
 
 
-def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
-    out, i = [], 0
-    for nd in ndims:
-        out.append(list(shapes[i : i + nd]))
-        i += nd
-    return out
-
-
-@torch.library.impl("dmuon::owner_broadcast", "CompositeExplicitAutograd")
-def owner_broadcast(
+def _issue(
     locals: list[Tensor],
     shapes: list[int],
     ndims: list[int],
     routes: list[int],
     group: str,
     after: list[Tensor] | None = None,
-) -> list[Tensor]:
-    out = []
-    for i, (local, shape) in enumerate(zip(locals, split_shapes(shapes, ndims), strict=True)):
-        src, is_src, size = routes[6 * i : 6 * i + 3]
-        buf = local.clone() if is_src else local.new_empty(shape)
-        out.append(broadcast_into(buf, src, group, size))
-    return out
+) -> Finish:
+    bufs, works = [], []
+    for local, shape, (src, is_src, size, *_) in per_param(locals, shapes, ndims, routes):
+        bufs.append(local.clone() if is_src else local.new_empty(shape))
+        works.append(broadcast_start(bufs[-1], src, group, size))
 
+    def finish() -> list[Tensor]:
+        wait_all(works)
+        return bufs
 
-@torch.library.register_fake("dmuon::owner_broadcast")
-def _(locals, shapes, ndims, routes, group, after=None):
-    return [t.new_empty(s) for t, s in zip(locals, split_shapes(shapes, ndims), strict=True)]
-
-
-# No autograd: the step gathers outside the differentiated function and reduces the gradients
-# of the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn.functional._step).
+    return finish
 
 
 def _samples():
@@ -70,4 +48,10 @@ def _samples():
     yield ([a], [6, 4], [2], [0, 1, 1, 0, 1, 1], ""), {"after": [b]}
 
 
-register_op(OpSpec("dmuon::owner_broadcast", torch.ops.dmuon.owner_broadcast, _samples, False))
+define_async(
+    "owner_broadcast",
+    "Tensor[] locals, int[] shapes, int[] ndims, int[] routes, str group, Tensor[]? after=None",
+    _issue,
+    lambda locals, shapes, ndims, routes, group, after=None: new_empty(locals, shapes, ndims),
+    _samples,
+)

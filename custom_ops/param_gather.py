@@ -2,16 +2,11 @@
 
 handle: a handle (custom_ops._handles) naming the parameter; shape, dtype, device: the full
 value's, the same on every rank. Returns that value; the handler runs the broadcast from the
-owner (a collective: every rank of the group calls it in the same order). Autograd: the
-gradient of the output goes to dmuon::param_reduce (the broadcast's transpose, a sum onto the
-owner), and the handle's gradient is what that op returns, so `handle.grad` marks that
-backward reached this gather.
-
-Not tagged nondeterministic_seeded like the other collectives: under Z3 a compiled block
-recomputes this op in backward (selective activation checkpointing, MUST_RECOMPUTE), and the
-partitioner would treat a seeded op as a random one. Registered side-effectful, so it is never
-dead-code eliminated. Without an explicit policy the partitioner never recomputes it (custom
-ops are outside its recompute allowlist).
+owner (a collective on every rank of the group, in the same order). Autograd: the output's
+gradient goes to dmuon::param_reduce (the broadcast's transpose, a sum onto the owner), and the
+handle's gradient is what that op returns, so `handle.grad` marks that backward reached here.
+Side-effectful, not tagged nondeterministic_seeded: Z3 recomputes it in backward
+(proofs/custom_ops_notes.md).
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
 grad: the full-shape gradient of what dmuon::param_gather returned; handle: the same handle.
 The handler runs the reduction (a collective on every rank of the group) and leaves the result
-where the owner keeps it (dmuon_fn: the global owner's `param.grad`). Returns the handle's
-gradient (ones, shaped like the handle), so the op has a use in every graph and autograd
-marks `handle.grad`.
+where the owner keeps it (dmuon_fn: the global owner's `param.grad`). Returns ones shaped like
+the handle: the handle's gradient.
 
 No autograd: it is the backward of dmuon::param_gather; nothing differentiates it again.
-Registered side-effectful and never recomputed (nondeterministic_seeded, as the other
-collectives).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A: (..., n, k); C: (..., n, n), must be symmetric. Returns (..., n, n) in A's dtype: exactly
 symmetric where the kernel mirrors a computed triangle (the CPU strips: outside their diagonal
 blocks, which are each one GEMM's output), symmetric to rounding where one GEMM computes it.
-`impl` names a kernel of `custom_ops._kernels.KERNELS` ("auto" resolves per device, honouring
+`impl` names a kernel of `custom_ops.KERNELS` ("auto" resolves per device, honouring
 $DMUON_NS_KERNEL).
 """
 
@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 from ._kernels import resolve_kernel
-from ._registry import OpSpec, register_op
-from ._vmap import batch_first
+from ._registry import OpSpec, register_batched_vmap, register_op
 
 
 def _check(A: Tensor, C: Tensor | None) -> None:
@@ -61,11 +60,7 @@ def _backward(ctx, grad):
 syrk.register_autograd(_backward, setup_context=_setup_context)
 
 
-@syrk.register_vmap
-def _(info, in_dims, A, C=None, alpha=1.0, beta=0.0, impl="auto"):
-    A = batch_first(A, in_dims[0], info.batch_size)
-    C = batch_first(C, in_dims[1], info.batch_size)
-    return torch.ops.dmuon.syrk(A, C, alpha, beta, impl=impl), 0
+register_batched_vmap(syrk, 2, 0)
 
 
 def _samples():

@@ -1,11 +1,13 @@
-"""dmuon::two_stage_reduce — sum full-shape gradients onto their owners, in two stages under HSDP.
+"""dmuon::two_stage_reduce(_start) — sum full-shape gradients onto their owners, in two stages.
 
 For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group` onto rank
-src; on that rank (the local owner), stage 2 sums over `rep_group` onto rep_src (the global owner)
-when rep_size > 1. The global owner gets scale·Σ over all G·R ranks; every other rank gets zeros
-shaped like its local slot (`local_shapes`: full on local owners, 0-size elsewhere), so each
-result has the shape of the parameter slot it is a gradient for. One call carries every
-parameter, in one fixed order on every rank (see dmuon::owner_broadcast).
+src; on that rank (the local owner), stage 2 sums over `rep_group` onto rep_src (the global
+owner) when rep_size > 1 (HSDP). The global owner gets scale·Σ over all G·R ranks; every other
+rank gets zeros shaped like its local slot (`local_shapes`: full on local owners, 0-size
+elsewhere). The gradients are copied when issued, so the caller's can go at once.
+dmuon::two_stage_reduce returns the results; dmuon::two_stage_reduce_start (with `after`)
+issues stage 1 and returns a ticket: dmuon::collective_wait on it waits for stage 1, runs
+stage 2 and returns the same results.
 
 No autograd: it transposes the gather for the step's gradient; nothing differentiates it.
 """
@@ -15,19 +17,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._collectives import define_collective, reduce_sum
-from ._registry import OpSpec, register_op
-from .owner_broadcast import split_shapes
+from ._collectives import Finish, _group, define_async, new_empty, per_param, reduce_start
 
-define_collective(
-    "dmuon::two_stage_reduce",
-    "(Tensor[] fulls, int[] local_shapes, int[] ndims, int[] routes, str group, str rep_group, "
-    "float scale) -> Tensor[]",
+_ARGS = (
+    "Tensor[] fulls, int[] local_shapes, int[] ndims, int[] routes, str group, str rep_group, "
+    "float scale"
 )
 
 
-@torch.library.impl("dmuon::two_stage_reduce", "CompositeExplicitAutograd")
-def two_stage_reduce(
+def _issue(
     fulls: list[Tensor],
     local_shapes: list[int],
     ndims: list[int],
@@ -35,23 +33,28 @@ def two_stage_reduce(
     group: str,
     rep_group: str,
     scale: float,
-) -> list[Tensor]:
-    out = []
-    for i, (full, shape) in enumerate(zip(fulls, split_shapes(local_shapes, ndims), strict=True)):
-        src, is_src, size, rep_src, is_rep_src, rep_size = routes[6 * i : 6 * i + 6]
-        buf = reduce_sum(full.contiguous().clone(), src, group, size)
-        if is_src and rep_size > 1:
-            buf = reduce_sum(buf, rep_src, rep_group, rep_size)
-        if is_src and (rep_size == 1 or is_rep_src):
-            out.append(buf.mul_(scale))
-        else:
-            out.append(full.new_zeros(shape))
-    return out
+    after: list[Tensor] | None = None,
+) -> Finish:
+    rows = []  # never the caller's gradients: they can go at once
+    for full, shape, (src, is_src, size, *rep) in per_param(fulls, local_shapes, ndims, routes):
+        buf = full.contiguous().clone()
+        work = reduce_start(buf, src, _group(group)) if size > 1 else None
+        rows.append((buf, work, shape, is_src, *rep))
 
+    def finish() -> list[Tensor]:
+        out = []
+        for buf, work, shape, is_src, rep_src, is_rep_src, rep_size in rows:
+            if work is not None:
+                work.wait()
+            if is_src and rep_size > 1:
+                reduce_start(buf, rep_src, _group(rep_group)).wait()
+            if is_src and (rep_size == 1 or is_rep_src):
+                out.append(buf.mul_(scale))
+            else:
+                out.append(buf.new_zeros(shape))
+        return out
 
-@torch.library.register_fake("dmuon::two_stage_reduce")
-def _(fulls, local_shapes, ndims, routes, group, rep_group, scale):
-    return [t.new_empty(s) for t, s in zip(fulls, split_shapes(local_shapes, ndims), strict=True)]
+    return finish
 
 
 def _samples():
@@ -60,4 +63,11 @@ def _samples():
     yield ([a, b], [6, 4, 0], [2, 1], [0, 1, 1, 0, 1, 1, 0, 0, 1, 0, 0, 1], "", "", 0.25), {}
 
 
-register_op(OpSpec("dmuon::two_stage_reduce", torch.ops.dmuon.two_stage_reduce, _samples, False))
+define_async(
+    "two_stage_reduce",
+    _ARGS,
+    _issue,
+    lambda fulls, local_shapes, ndims, *_: new_empty(fulls, local_shapes, ndims),
+    _samples,
+    start_args=_ARGS + ", Tensor[]? after=None",
+)

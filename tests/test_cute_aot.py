@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from custom_ops.cute import _operands, _schedule, dsl_import_error
+from custom_ops._kernels import _cuda as _operands
+from custom_ops._kernels.cute import dsl_import_error
+from tests import _cute_schedule as _schedule
 from tests._tolerance import PRODUCT
 
 
@@ -158,7 +160,7 @@ MMA = {
     ids=["bf16-syrk-with-c", "fp16-n-major"],
 )
 def test_aot_compile_emits_tensor_core_mma(tmp_path, capfd, arch, dtype, q_k_major, has_c):
-    from custom_ops.cute import syrk_sm80
+    from custom_ops._kernels.cute import syrk_sm80
 
     t0 = time.perf_counter()
     fn = syrk_sm80.compile_kernel(
@@ -186,7 +188,7 @@ def test_aot_compile_emits_tensor_core_mma(tmp_path, capfd, arch, dtype, q_k_maj
 def test_kernel_cache_compiles_once_per_variant(tmp_path, monkeypatch):
     """No GPU needed to compile; exporting the object may be refused without CUDA libraries
     (a warning), after which the in-memory kernel is still returned, once per variant."""
-    from custom_ops.cute import _cache
+    from custom_ops._kernels.cute import _cache
 
     monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DMUON_CUTE_DISK_CACHE", raising=False)
@@ -208,9 +210,9 @@ def fake_cuda(monkeypatch):
     """A pretend CUDA device of a given capability, with or without the optional packages;
     the per-device auto choice is cleared before and after, and its size rule is installed
     (triangle from 4096 rows) so that nothing times the device that is not there."""
-    import custom_ops.cute as cute_pkg
+    import custom_ops._kernels.cute as cute_pkg
     from custom_ops import _kernels
-    from custom_ops.cute import quack_adapter
+    from custom_ops._kernels import quack as quack_adapter
 
     def setup(cap, dsl=True, quack=True):
         monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)

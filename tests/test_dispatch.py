@@ -24,7 +24,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import custom_ops
 import dmuon_fn
-from custom_ops._kernels import _cpu_blocks
+from custom_ops._kernels.cpu import _cpu_blocks
 from dmuon_fn.ns import _dispatch
 from dmuon_fn.ns._cost import ns_flops
 from dmuon_fn.ns._dispatch import CpuDispatch, choose_aspect, choose_dtype, choose_strips

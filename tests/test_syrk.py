@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops._kernels import _cpu_blocks, _strip_bounds
+from custom_ops._kernels.cpu import _cpu_blocks, _strip_bounds
 from tests._tolerance import PRODUCT, rel_err
 
 CPU_KERNELS = ["cpu_syrk", "torch_mm"]

@@ -26,7 +26,7 @@ import torch
 from _timing import interleaved_median, machine, polar_error
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-import custom_ops._kernels as kernels
+import custom_ops._kernels.cpu as kernels
 import dmuon_fn
 from dmuon_fn.ns._cost import ns_method
 from dmuon_fn.ns._dispatch import gram_min_aspect, iteration_dtype

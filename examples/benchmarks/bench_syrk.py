@@ -2,7 +2,7 @@
 
 Prints, per dtype and shape (n rows, k inner), both times and the ratio, measured side by side,
 and the strip count the kernel chose from the strip table this machine's dispatch measured
-(dmuon_fn/ns/_dispatch.py; the rule in custom_ops/_kernels.py, `_cpu_blocks`).
+(dmuon_fn/ns/_dispatch.py; the rule in custom_ops/_kernels/cpu.py, `_cpu_blocks`).
 Run: python examples/benchmarks/bench_syrk.py [--reps 7]
 """
 
@@ -14,7 +14,7 @@ import torch
 from _timing import interleaved_median, machine
 
 import dmuon_fn
-from custom_ops._kernels import _cpu_blocks
+from custom_ops._kernels.cpu import _cpu_blocks
 
 SHAPES = [
     (256, 1024),

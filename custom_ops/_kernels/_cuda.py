@@ -1,11 +1,7 @@
-"""Operand preparation shared by the CUDA triangle kernels (torch only, no CuTe import).
-
-Both tensor-core kernels read 16-byte vectors, so they take (L, n, k) / (L, k, n) operands whose
-contiguous extents are multiples of 8 elements and whose base pointers are 16-byte aligned.
-`prepare` returns such operands without copying in the common cases (a contiguous A with
-B = A.mT, or a contiguous symmetric-product operand B) and otherwise copies, zero-padding n and
-k up to multiples of 8: zero rows of P and Q give zero rows and columns of the product and zero
-k columns add nothing, so the top-left n×n block of the padded result is the product.
+"""What the CUDA triangle kernels share (torch only, no DSL import): device checks, and operands
+whose contiguous extents are multiples of 8 elements and whose base pointers are 16-byte aligned
+(both kernels read 16-byte vectors), zero-padded where needed: the top-left n×n block of the
+padded product is the product (proofs/custom_ops_notes.md, "CuTe triangle SYRK").
 """
 
 from __future__ import annotations
@@ -17,6 +13,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16
+
+
+def target_arch(device: torch.device) -> str:
+    """The compile target of `device`, as CuTe DSL names it: sm_80, sm_86, sm_90a, sm_100a."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def cuda_check(device: torch.device, min_cap: tuple[int, int]) -> str:
+    """'' when `device` is a CUDA device of at least `min_cap`, else why not."""
+    if device.type != "cuda":
+        return f"runs on cuda only, not {device.type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < min_cap:
+        return (
+            f"needs compute capability >= {min_cap[0]}.{min_cap[1]}, "
+            f"this device has {major}.{minor}"
+        )
+    return ""
 
 
 class Operands(NamedTuple):

@@ -1,9 +1,9 @@
 """The triangle tile schedule of the CuTe SYRK kernel, in plain Python (no GPU, no CuTe).
 
-The kernel (`syrk_sm80.py`) launches one CTA per output tile (i, j) with i ≤ j of the
-T×T tile grid, T = ceil(n / tile); CTA `t` of the x grid dimension finds its tile with
-`tri_coords`, computes alpha·P[i-rows]·Q[j-rows]ᵀ + beta·C[i, j] in fp32, and writes it to
-D[i, j] and its transpose to D[j, i] (a diagonal tile is first made symmetric from its upper
+The kernel (custom_ops/_kernels/cute/syrk_sm80.py) launches one CTA per output tile (i, j) with
+i ≤ j of the T×T tile grid, T = ceil(n / tile); CTA `t` of the x grid dimension finds its tile
+with `tri_coords`, computes alpha·P[i-rows]·Q[j-rows]ᵀ + beta·C[i, j] in fp32, and writes it
+to D[i, j] and its transpose to D[j, i] (a diagonal tile is first made symmetric from its upper
 triangle). `emulate` runs exactly that schedule with tile loops in torch on the CPU, so the
 index arithmetic the GPU uses is checked in CI (`tests/test_cute_aot.py`); `proofs/cute_syrk.md`
 gives the argument.

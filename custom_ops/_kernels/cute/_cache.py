@@ -1,18 +1,12 @@
 """Compiled CuTe DSL kernels: compiled once per process, kept on disk across processes.
 
-Location: `$DMUON_CACHE_DIR/cute/<arch>/<key>.o` when DMUON_CACHE_DIR is set, else
-`$XDG_CACHE_HOME/dmuon_fn/cute/<arch>/<key>.o` (XDG_CACHE_HOME defaults to ~/.cache).
-<arch> is the target ("sm_80", "sm_90a", ...); <key> is a hash of the kernel source
-(`syrk_sm80.py`), the installed nvidia-cutlass-dsl version and the variant (dtype, Q's major
-mode, whether C is read, tile config), so a changed kernel or DSL never loads a stale object.
-Deleting the directory is always safe.
-
-One variant is compiled at most once per process and, through a lock file next to the object,
-once per machine: ranks that share a node wait for the first compile and load its object.
-There is no autotuning: each variant has one fixed tile configuration (`TileConfig`), so the
-first step costs one compile per variant (seconds), never a search or extra GPU memory.
-The disk cache is an optimization only: when exporting or loading an object fails, a warning
-says so and the kernel compiled in memory runs; DMUON_CUTE_DISK_CACHE=0 turns it off.
+Location: `<cache_dir>/cute/<arch>/<key>.o` (custom_ops._disk), <arch> the target ("sm_80",
+"sm_90a", ...), <key> a hash of the kernel's source (`syrk_sm80.py`, `_tiles.py`), the
+nvidia-cutlass-dsl version and the variant (dtype, Q's major mode, whether C is read, tile
+config): a changed kernel or DSL never loads a stale object; deleting it is always safe. A lock
+file next to the object makes ranks that share a node wait for the first compile and load its
+object. The disk cache is an optimization only: when exporting or loading fails, a warning says
+so and the kernel compiled in memory runs; DMUON_CUTE_DISK_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .._disk import cache_dir, locked
+from ..._disk import cache_dir, locked
 
 
 def cache_root() -> Path:
@@ -35,10 +29,11 @@ def variant_key(dtype: str, q_k_major: bool, has_c: bool, cfg) -> str:
     """Hash of kernel source + DSL version + variant: the object file's name."""
     import cutlass
 
-    from . import syrk_sm80
+    from . import _tiles, syrk_sm80
 
     h = hashlib.sha256()
-    h.update(Path(syrk_sm80.__file__).read_bytes())
+    for module in (syrk_sm80, _tiles):
+        h.update(Path(module.__file__).read_bytes())
     h.update(f"cutlass-dsl={cutlass.__version__}".encode())
     h.update(repr((dtype, q_k_major, has_c, cfg)).encode())
     return h.hexdigest()[:24]

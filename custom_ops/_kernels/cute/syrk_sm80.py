@@ -3,28 +3,17 @@
 P, Q: (L, n, k) fp16/bf16, P K-major (row-major); Q K-major (Q = P for SYRK) or N-major
 (Q = Bᵀ of a row-major (k, n) B, as in the Gram products). C, D: (L, n, n) row-major, C
 symmetric (only its upper tiles are read). n and k must be multiples of 8 and every base
-pointer 16-byte aligned (128-bit cp.async / stores); the caller
-(`custom_ops.cute.triangle_sym_mm`) pads other shapes with zeros. The int32 tile index bounds
-n to 2**21 (16384 tiles a side).
+pointer 16-byte aligned (128-bit cp.async / stores); the caller (`triangle_sym_mm`) pads other
+shapes with zeros. The int32 tile index bounds n to 2**21 (16384 tiles a side).
 
-Design (an Ampere tensor-core GEMM restricted to one triangle; `_schedule.py` emulates it):
-- grid (T·(T+1)/2, 1, L), T = ceil(n / 128): CTA t computes tile (i, j), i ≤ j, t = j(j+1)/2 + i.
-- 128×128×32 CTA tile, 4 warps (2×2), `mma.sync` m16n8k16 with fp32 accumulators; a 3-stage
-  cp.async pipeline into swizzled shared memory, ldmatrix into registers. The ragged k slab
-  comes first (origin shifted by k − 32·ceil(k/32) ≤ 0, negative columns predicated off), rows
-  ≥ n are predicated off; zero-filled shared memory stands in for them.
-- epilogue: acc ← alpha·acc + beta·C[i, j] in fp32 (C's tile staged through shared memory),
-  rounded to the output dtype into a shared-memory tile; a diagonal tile copies its upper
-  triangle onto its lower one; the tile is stored to D[i, j] with row-vectors and, when i ≠ j,
-  to D[j, i] with column-vectors of the same tile (D viewed transposed), so D is exactly
-  symmetric.
-
+Design: an Ampere tensor-core GEMM (mma.sync, cp.async pipeline, ldmatrix) restricted to the
+tiles on and above the diagonal, each stored to both of its mirror positions
+(proofs/custom_ops_notes.md, "CuTe triangle SYRK"; correctness: proofs/cute_syrk.md).
 This module imports `cutlass` (nvidia-cutlass-dsl) at import time; import it lazily.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -32,6 +21,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
+
+from . import _tiles
 
 try:
     from cutlass.memory import SmemAllocator
@@ -100,9 +91,14 @@ class TriangleSyrk:
         # mirror image of tile (i, j) of D.
         mDt = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(1, n, nn)))
 
-        sP_layout = self._smem_layout_ab(LayoutEnum.ROW_MAJOR, (self.bM, self.bK, self.cfg.stages))
-        sQ_layout = self._smem_layout_ab(self.q_major, (self.bN, self.bK, self.cfg.stages))
-        sD_layout = self._smem_layout_d((self.bM, self.bN))
+        stages, bits = self.cfg.stages, self.copy_bits
+        sP_layout = _tiles.smem_layout_ab(
+            self.dtype, LayoutEnum.ROW_MAJOR, (self.bM, self.bK, stages), bits
+        )
+        sQ_layout = _tiles.smem_layout_ab(
+            self.dtype, self.q_major, (self.bN, self.bK, stages), bits
+        )
+        sD_layout = _tiles.smem_layout_d((self.bM, self.bN))
         smem_bytes = max(
             cute.size_in_bytes(self.dtype, sP_layout) + cute.size_in_bytes(self.dtype, sQ_layout),
             cute.size_in_bytes(self.dtype, sD_layout),
@@ -113,13 +109,13 @@ class TriangleSyrk:
             self.dtype,
             num_bits_per_copy=self.copy_bits,
         )
-        copy_P = self._gmem_tiled_copy(g2s, LayoutEnum.ROW_MAJOR, self.bM, self.bK)
-        copy_Q = self._gmem_tiled_copy(g2s, self.q_major, self.bN, self.bK)
+        copy_P = self._tiled_copy(g2s, LayoutEnum.ROW_MAJOR, self.bM, self.bK)
+        copy_Q = self._tiled_copy(g2s, self.q_major, self.bN, self.bK)
         r2g = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=self.copy_bits
         )
-        copy_D = self._gmem_tiled_copy(r2g, LayoutEnum.ROW_MAJOR, self.bM, self.bN)
-        copy_Dt = self._gmem_tiled_copy(r2g, LayoutEnum.COL_MAJOR, self.bM, self.bN)
+        copy_D = self._tiled_copy(r2g, LayoutEnum.ROW_MAJOR, self.bM, self.bN)
+        copy_Dt = self._tiled_copy(r2g, LayoutEnum.COL_MAJOR, self.bM, self.bN)
 
         mma_op = cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         warp_grid = cute.make_layout((self.cfg.warps_m, self.cfg.warps_n, 1))
@@ -164,7 +160,7 @@ class TriangleSyrk:
         bidx, _, bidz = cute.arch.block_idx()
         n = mP.shape[0]
 
-        # ---- tile (i, j), i <= j, of CTA t = j(j+1)/2 + i (same arithmetic as _schedule) ----
+        # ---- tile (i, j), i <= j, of CTA t = j(j+1)/2 + i (as tests/_cute_schedule.py) ----
         t = Int32(bidx)
         j = Int32((cute.math.sqrt(Float32(8 * t + 1)) - Float32(1.0)) * Float32(0.5))
         if (j + 1) * (j + 2) // 2 <= t:
@@ -210,26 +206,8 @@ class TriangleSyrk:
         tQcQ = thr_Q.partition_S(cQ)
 
         # row predicates (rows >= n read nothing), one per copy atom, broadcast over k
-        tPpP = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tPgP.shape[0][1], cute.size(tPgP, mode=[1]), cute.size(tPgP, mode=[2])),
-                stride=(cute.size(tPgP, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        tQpQ = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tQgQ.shape[0][1], cute.size(tQgQ, mode=[1]), cute.size(tQgQ, mode=[2])),
-                stride=(cute.size(tQgQ, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        for rv in cutlass.range_constexpr(tPpP.shape[0]):
-            for m in cutlass.range_constexpr(tPpP.shape[1]):
-                tPpP[rv, m, 0] = cute.elem_less(tPcP[(0, rv), m, 0, 0][0], n)
-        for rv in cutlass.range_constexpr(tQpQ.shape[0]):
-            for m in cutlass.range_constexpr(tQpQ.shape[1]):
-                tQpQ[rv, m, 0] = cute.elem_less(tQcQ[(0, rv), m, 0, 0][0], n)
+        tPpP = _tiles.row_predicate(tPgP, tPcP, n)
+        tQpQ = _tiles.row_predicate(tQgQ, tQcQ, n)
 
         # ---- prologue: zero the stages, then prefetch stages - 1 slabs ----
         tPsP.fill(0)
@@ -238,19 +216,8 @@ class TriangleSyrk:
         stages = cute.size(tPsP, mode=[3])
         k_tiles = cute.size(tPgP, mode=[3])
         k_next = Int32(0)
-        # first (ragged) slab: k columns < 0 stay zero
-        for kk in cutlass.range_constexpr(tPpP.shape[2]):
-            if cute.elem_less(Int32(-1), tPcP[0, 0, kk, 0][1]):
-                cute.copy(
-                    copy_P, tPgP[None, None, kk, k_next], tPsP[None, None, kk, 0],
-                    pred=tPpP[None, None, kk],
-                )  # fmt: skip
-        for kk in cutlass.range_constexpr(tQpQ.shape[2]):
-            if cute.elem_less(Int32(-1), tQcQ[0, 0, kk, 0][1]):
-                cute.copy(
-                    copy_Q, tQgQ[None, None, kk, k_next], tQsQ[None, None, kk, 0],
-                    pred=tQpQ[None, None, kk],
-                )  # fmt: skip
+        _tiles.copy_first_slab(copy_P, tPgP, tPsP, tPcP, tPpP, k_next)  # the ragged slab
+        _tiles.copy_first_slab(copy_Q, tQgQ, tQsQ, tQcQ, tQpQ, k_next)
         k_next = k_next + 1
         cute.arch.cp_async_commit_group()
         for s in cutlass.range_constexpr(1, self.cfg.stages - 1):
@@ -344,11 +311,9 @@ class TriangleSyrk:
             cute.make_identity_tensor((n, n)), self.cta_tiler, coord, proj=(1, 1, None)
         )
         if cutlass.const_expr(self.has_c):
-            # C's tile goes through shared memory (coalesced 128-bit loads, zero outside n)
-            # and is read back in the accumulator's layout, updating acc in place: loading it
-            # straight from global memory into a second fragment runs out of registers.
+            # C's tile through shared memory, read back in acc's layout: fewer registers
             gC = cute.local_tile(mC[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
-            self._load_tile(copy_D, tidx, gC, sD, cD, n)
+            _tiles.load_tile(copy_D, tidx, gC, sD, cD, n, self.dtype)
             cute.arch.sync_threads()
             tCsC = thr_mma.partition_C(sD)
             for e in cutlass.range(cute.size(acc), unroll_full=True):
@@ -371,90 +336,13 @@ class TriangleSyrk:
                     sD[r, c] = sD[c, r]
             cute.arch.sync_threads()
 
-        self._store_tile(copy_D, tidx, sD, gD, cD, n, True)
+        _tiles.store_tile(copy_D, tidx, sD, gD, cD, n, self.dtype, True)
         if i != j:
             gDt = cute.local_tile(mDt[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
-            self._store_tile(copy_Dt, tidx, sD, gDt, cD, n, False)
+            _tiles.store_tile(copy_Dt, tidx, sD, gDt, cD, n, self.dtype, False)
 
-    @cute.jit
-    def _load_tile(self, tiled_copy, tidx, gIn, sD, cIn, n):
-        """Global tile -> registers (128-bit, predicated to rows and cols < n, else zero) ->
-        shared tile."""
-        thr = tiled_copy.get_slice(tidx)
-        tSg = thr.partition_S(gIn)
-        tSs = thr.partition_D(sD)
-        tSc = thr.partition_S(cIn)
-        frag = cute.make_rmem_tensor(tSg.shape, self.dtype)
-        frag.fill(0)
-        pred = cute.make_rmem_tensor(
-            (tSg.shape[0][1], cute.size(tSg, mode=[1]), cute.size(tSg, mode=[2])),
-            cutlass.Boolean,
-        )
-        for rv in cutlass.range_constexpr(pred.shape[0]):
-            for m in cutlass.range_constexpr(pred.shape[1]):
-                for c in cutlass.range_constexpr(pred.shape[2]):
-                    pred[rv, m, c] = cute.elem_less(tSc[(0, rv), m, c], (n, n))
-        cute.copy(tiled_copy, tSg, frag, pred=pred)
-        cute.autovec_copy(frag, tSs)
-
-    @cute.jit
-    def _store_tile(self, tiled_copy, tidx, sD, gOut, cOut, n, rows: cutlass.Constexpr[bool]):
-        """Shared tile -> registers -> 128-bit predicated global stores (rows and cols < n).
-        rows: vectors run along tile rows (contiguous in shared memory, read as vectors);
-        else along columns (gathered element by element)."""
-        thr = tiled_copy.get_slice(tidx)
-        tSs = thr.partition_S(sD)
-        tSg = thr.partition_D(gOut)
-        tSc = thr.partition_D(cOut)
-        frag = cute.make_rmem_tensor(tSg.shape, self.dtype)
-        if cutlass.const_expr(rows):
-            cute.autovec_copy(tSs, frag)
-        else:
-            for e in cutlass.range(cute.size(frag), unroll_full=True):
-                frag[e] = tSs[e]
-        pred = cute.make_rmem_tensor(
-            (tSg.shape[0][1], cute.size(tSg, mode=[1]), cute.size(tSg, mode=[2])),
-            cutlass.Boolean,
-        )
-        for rv in cutlass.range_constexpr(pred.shape[0]):
-            for m in cutlass.range_constexpr(pred.shape[1]):
-                for c in cutlass.range_constexpr(pred.shape[2]):
-                    pred[rv, m, c] = cute.elem_less(tSc[(0, rv), m, c], (n, n))
-        cute.copy(tiled_copy, frag, tSg, pred=pred)
-
-    def _smem_layout_ab(self, major, tiler):
-        """Swizzled (rows, bK, stages) operand buffer: 8-row atoms of up to 64 contiguous
-        elements (k-contiguous for K-major, row-contiguous for N-major) with an XOR swizzle
-        so that cp.async writes and ldmatrix reads hit distinct banks."""
-        contiguous = tiler[1] if major == LayoutEnum.ROW_MAJOR else tiler[0]
-        contiguous = min(contiguous, 64)
-        swizzle_bits = min(int(math.log2(contiguous * self.dtype.width // self.copy_bits)), 3)
-        if major == LayoutEnum.ROW_MAJOR:
-            atom = cute.make_layout((8, contiguous), stride=(contiguous, 1))
-        else:
-            atom = cute.make_layout((contiguous, 8), stride=(1, contiguous))
-        atom = cute.make_composed_layout(cute.make_swizzle(swizzle_bits, 3, 3), 0, atom)
-        return cute.tile_to_shape(atom, tiler, (0, 1, 2))
-
-    def _smem_layout_d(self, tiler):
-        """Row-major swizzled output tile, read back by row- and by column-vectors."""
-        atom = cute.make_layout((8, 64), stride=(64, 1))
-        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, atom)
-        return cute.tile_to_shape(atom, tiler, (0, 1))
-
-    def _gmem_tiled_copy(self, atom, major, rows, cols):
-        """128-bit copies of a (rows, cols) tile by all threads, vectors along the contiguous
-        mode (cols for ROW_MAJOR, rows for COL_MAJOR)."""
-        v = self.copy_elems
-        if major == LayoutEnum.ROW_MAJOR:
-            per_row = cols // v
-            threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
-            values = cute.make_layout((1, v))
-        else:
-            per_col = rows // v
-            threads = cute.make_layout((per_col, self.num_threads // per_col), stride=(1, per_col))
-            values = cute.make_layout((v, 1))
-        return cute.make_tiled_copy_tv(atom, threads, values)
+    def _tiled_copy(self, atom, major, rows, cols):
+        return _tiles.gmem_tiled_copy(atom, major, rows, cols, self.num_threads, self.copy_elems)
 
 
 def compile_kernel(
@@ -474,26 +362,12 @@ def compile_kernel(
     Returns the compiled function: call it as (pP, pQ, pC, pD, n, k, batch, alpha, beta,
     stream) with 16-byte-aligned global pointers from `cute.runtime.make_ptr`.
     """
-    el = DTYPES[dtype]
-
-    def ptr():
-        return cute.runtime.make_ptr(el, 0, cute.AddressSpace.gmem, assumed_align=16)
-
     options = f"--gpu-arch {arch} {extra_options}".strip()
     if keep_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
     op = TriangleSyrk(dtype, q_k_major, has_c, cfg)
-    return cute.compile(
-        op,
-        ptr(),
-        ptr(),
-        ptr(),
-        ptr(),
-        Int32(8),
-        Int32(8),
-        Int32(1),
-        Float32(1.0),
-        Float32(0.0),
-        cute.runtime.make_fake_stream(),
-        options=options,
-    )
+    el, gmem = DTYPES[dtype], cute.AddressSpace.gmem
+    ptrs = [cute.runtime.make_ptr(el, 0, gmem, assumed_align=16) for _ in range(4)]
+    sizes, scalars = (Int32(8), Int32(8), Int32(1)), (Float32(1.0), Float32(0.0))
+    stream = cute.runtime.make_fake_stream()
+    return cute.compile(op, *ptrs, *sizes, *scalars, stream, options=options)

@@ -1,11 +1,10 @@
 """quack's `gemm_symmetric` (Tri Dao et al., `pip install quack-kernels`) as a sym_mm kernel.
 
-quack's symmetric GEMM runs a triangular tile schedule with TMA + wgmma on sm_90 (and tcgen05
-on sm_100), writing each off-diagonal tile and its mirror, for any A·B whose product is
-symmetric: A (L, n, k), B (L, k, n) of either major, optional C (L, n, n). It compiles and
-caches its own kernels (`$QUACK_CACHE_DIR`, default a per-user temp directory). quack is
-optional (`pip install dmuon_fn[quack]`) and imported on first use; operands go through the
-same alignment/padding as the own kernel (`_operands.prepare`).
+For any A·B whose product is symmetric: A (L, n, k), B (L, k, n) of either major, optional C
+(L, n, n), on sm_90+ (a triangular tile schedule with TMA + wgmma; tcgen05 on sm_100). quack
+compiles and caches its own kernels (`$QUACK_CACHE_DIR`, default a per-user temp directory).
+Optional (`pip install dmuon_fn[quack]`), imported on first use; operands go through the same
+alignment/padding as the own kernel (`_cuda.prepare`).
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import functools
 
 from torch import Tensor
 
-from . import cuda_check
-from ._operands import finish, prepare
+from ._cuda import cuda_check, finish, prepare
 
 
 @functools.cache

@@ -1,11 +1,8 @@
-"""CUDA tensor-core kernels for the symmetric products: an own CuTe DSL triangle SYRK
-(`cute_sm80`, sm_80+) and an adapter to quack's `gemm_symmetric` (`quack`, sm_90+).
+"""The own CuTe DSL triangle SYRK (`cute_sm80`, sm_80+): availability and the call.
 
-Importing this package needs neither CUDA nor nvidia-cutlass-dsl: the DSL (and quack) are
-imported on the first availability check or kernel call, once per process. Compiled kernels
-are cached on disk, see `_cache.py` for the location ($DMUON_CACHE_DIR or
-~/.cache/dmuon_fn/cute/<arch>/). `_schedule.py` is the CPU emulation of the kernel's tile
-schedule that CI runs.
+Importing this package needs neither CUDA nor nvidia-cutlass-dsl: the DSL is imported on the
+first availability check or kernel call, once per process. `syrk_sm80.py` is the kernel,
+`_tiles.py` its tile-level building blocks, `_cache.py` where compiled variants are kept.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._operands import finish, prepare
+from .._cuda import cuda_check, finish, prepare, target_arch
 
 # grid z is the batch; CUDA caps it at 65535
 _MAX_GRID_Z = 65535
@@ -30,31 +27,6 @@ def dsl_import_error() -> str:
         return (
             f"nvidia-cutlass-dsl is not importable ({type(e).__name__}: {e}); "
             "install it with `pip install dmuon_fn[cute]`"
-        )
-    return ""
-
-
-def cuda_arch(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def target_arch(device: torch.device) -> str:
-    """The compile target of `device`, as CuTe DSL names it: sm_80, sm_86, sm_90a, sm_100a."""
-    major, minor = cuda_arch(device)
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-
-
-def cuda_check(device: torch.device, min_cap: tuple[int, int]) -> str:
-    """'' when `device` is a CUDA device of at least `min_cap`, else why not."""
-    if device.type != "cuda":
-        return f"runs on cuda only, not {device.type}"
-    if not torch.cuda.is_available():
-        return "CUDA is not available in this process"
-    major, minor = cuda_arch(device)
-    if (major, minor) < min_cap:
-        return (
-            f"needs compute capability >= {min_cap[0]}.{min_cap[1]}, "
-            f"this device has {major}.{minor}"
         )
     return ""
 

@@ -1,0 +1,191 @@
+"""SYRK kernels: the symmetric-output products behind `dmuon::syrk` and the Newton-Schulz steps.
+
+Every kernel's `sym_mm(A, B, C, alpha, beta)` is alpha·A·B + beta·C for A: (..., n, k),
+B: (..., k, n), C: (..., n, n) symmetric or None, a product known to be symmetric (B = Aᵀ, or
+two commuting symmetric matrices in the Gram iteration), in A's dtype: exactly symmetric where
+it computes one triangle and mirrors it, symmetric to rounding where one GEMM computes it all.
+
+Kernels are plain data in `KERNELS`, by backend: `cpu.py` (torch GEMMs), `cute/` (the own CuTe
+DSL kernel), `quack.py`. `resolve_kernel` picks one per device: explicit name >
+$DMUON_NS_KERNEL > the device's auto ladder. No mutable "active kernel": the resolved name
+travels as an argument of every op call. The CUDA kernels import their DSLs lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import cute, quack
+from .cpu import cpu_blocked, cpu_strips, full_mm
+
+ENV_VAR = "DMUON_NS_KERNEL"
+SymMM = Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
+
+
+def _tensor_core(triangle: SymMM) -> SymMM:
+    """A tensor-core triangle kernel for fp16/bf16 operands; fp32/fp64 operands (which these
+    kernels do not take), empty shapes and alpha = 0 go through one cuBLAS GEMM (`full_mm`)."""
+
+    def sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+        if A.dtype in (torch.float16, torch.bfloat16) and A.numel() > 0 and alpha != 0.0:
+            return triangle(A, B, C, alpha, beta)
+        return full_mm(A, B, C, alpha, beta)
+
+    return sym_mm
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A symmetric-product kernel: `name` is what `kernel=` and $DMUON_NS_KERNEL accept,
+    `description` what `get_ns_backend()` prints, `available(device)` -> (ok, why not)."""
+
+    name: str
+    device_types: tuple[str, ...]
+    description: str
+    sym_mm: SymMM
+    available: Callable[[torch.device], tuple[bool, str]]
+
+
+def _on(*types: str) -> Callable[[torch.device], tuple[bool, str]]:
+    def check(device: torch.device) -> tuple[bool, str]:
+        if device.type in types:
+            return True, ""
+        return False, f"runs on {'/'.join(types)} only, not {device.type}"
+
+    return check
+
+
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        Kernel("cpu_syrk", ("cpu",), "blocked lower-triangle GEMM strips", cpu_blocked, _on("cpu")),
+        Kernel(
+            "quack",
+            ("cuda",),
+            "quack gemm_symmetric triangle SYRK; fp32/fp64 via cuBLAS",
+            _tensor_core(quack.sym_mm),
+            quack.available,
+        ),
+        Kernel(
+            "cute_sm80",
+            ("cuda",),
+            "CuTe DSL triangle SYRK; fp32/fp64 via cuBLAS",
+            _tensor_core(cute.triangle_sym_mm),
+            cute.cute_available,
+        ),
+        Kernel("cublas", ("cuda",), "universal fallback, full GEMM", full_mm, _on("cuda")),
+        Kernel(
+            "torch_mm",
+            ("cpu", "cuda", "meta"),
+            "full GEMM through torch.matmul, no symmetry saving",
+            full_mm,
+            lambda device: (True, ""),
+        ),
+    )
+}
+
+# The auto ladder per device type: the first available kernel wins (quack needs sm_90+, the
+# own CuTe kernel sm_80+; cuBLAS runs everywhere).
+_AUTO_LADDER: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu_syrk",),
+    "cuda": ("quack", "cute_sm80", "cublas"),
+}
+
+
+def kernel_names() -> list[str]:
+    return sorted(KERNELS)
+
+
+# Per CUDA device index: the rows from which `auto`'s tensor-core triangle kernel beats one
+# cuBLAS GEMM (inf: at no size; below, its launch cost exceeds the FLOPs it saves), measured and
+# installed by dmuon_fn's dispatch. Explicit kernels ignore it.
+_CUDA_TRIANGLE_FROM: dict[int, float] = {}
+
+
+def set_cuda_triangle_rows(index: int, rows: float) -> None:
+    """Install CUDA device `index`'s rule: `auto` runs its triangle kernel from `rows` rows."""
+    if not rows >= 0:
+        raise ValueError(f"triangle rows must be >= 0 (inf: never), got {rows!r}")
+    _CUDA_TRIANGLE_FROM[index] = float(rows)
+
+
+def cuda_triangle_rows(index: int) -> float | None:
+    """The installed rule of CUDA device `index` (None: not decided yet)."""
+    return _CUDA_TRIANGLE_FROM.get(index)
+
+
+def _index(device: torch.device) -> int | None:
+    """A CUDA device's index (the current device for a bare "cuda"); else the device's own."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return device.index
+
+
+def auto_kernel(device: torch.device | str) -> Kernel:
+    """The first available kernel of the device type's auto ladder ($DMUON_NS_KERNEL aside)."""
+    device = torch.device(device)
+    return KERNELS[_auto(device.type, _index(device))]
+
+
+def resolve_kernel(name: str | None, device: torch.device | str, rows: int | None = None) -> Kernel:
+    """The kernel that will run on `device`: explicit `name` > $DMUON_NS_KERNEL > auto ladder.
+
+    rows: the symmetric products' size (the iterate's short side); with it, `auto` on a CUDA
+    device runs cuBLAS below the installed triangle rule (`set_cuda_triangle_rows`).
+    Raises ValueError for an unknown name and RuntimeError for a known kernel that cannot run
+    on this device; a requested kernel is never silently replaced by another.
+    """
+    device = torch.device(device)
+    requested = name if name not in (None, "auto") else os.environ.get(ENV_VAR) or None
+    source = "kernel=" if name not in (None, "auto") else f"${ENV_VAR}"
+    if requested is None or requested == "auto":
+        kernel = auto_kernel(device)
+        tensor_core = device.type == "cuda" and kernel.sym_mm is not full_mm
+        if tensor_core and rows is not None and rows < _CUDA_TRIANGLE_FROM.get(_index(device), 0):
+            return KERNELS["cublas"]
+        return kernel
+    if requested not in KERNELS:
+        raise ValueError(
+            f"unknown NS kernel {requested!r} (from {source}); valid kernels: "
+            f"{', '.join(['auto', *kernel_names()])}"
+        )
+    kernel = KERNELS[requested]
+    ok, why = kernel.available(device)
+    if not ok:
+        raise RuntimeError(f"NS kernel {requested!r} (from {source}) cannot run here: {why}")
+    return kernel
+
+
+@functools.cache
+def _auto(device_type: str, index: int | None) -> str:
+    """The first available kernel of the device's ladder; capability and installed packages
+    do not change within a process, so this runs once per device."""
+    device = torch.device(device_type, index)
+    for candidate in _AUTO_LADDER.get(device_type, ("torch_mm",)):
+        if KERNELS[candidate].available(device)[0]:
+            return candidate
+    return "torch_mm"
+
+
+def describe(kernel: Kernel, device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"SM{major}{minor}"
+    else:
+        where = device.type.upper()
+    extra = ""
+    if kernel.sym_mm is cpu_blocked:
+        rule = ", ".join(f"{b} from {n} rows" for n, b in cpu_strips() if b > 1)
+        extra = f": {rule}, else one GEMM" if rule else ": one GEMM at every size"
+    elif device.type == "cuda" and kernel.sym_mm is not full_mm:
+        rows = _CUDA_TRIANGLE_FROM.get(_index(device))
+        if rows is not None and kernel is auto_kernel(device):
+            extra = f"; auto: from {rows:g} rows, else cuBLAS" if rows > 0 else ""
+    return f"kernel={kernel.name} ({where}, {kernel.description}{extra})"

@@ -1,0 +1,144 @@
+"""The torch GEMM kernels: the CPU's lower-triangle row strips, and one full GEMM (any device).
+
+`triangle_product(A, B, C, alpha, beta, blocks)` = alpha·A·B + beta·C (shapes and symmetry as
+every kernel's, custom_ops/_kernels/__init__.py). With `blocks` > 1 it computes row strip
+[r0, r1) against columns [0, r1) (blocks·(blocks+1)/2 of blocks² tiles) and mirrors each strip's
+part left of its diagonal block above it: exactly symmetric there, each diagonal block one GEMM's
+output (symmetric to rounding). With one block it is one GEMM. The CPU kernel takes the strips
+of the installed table (`set_cpu_strips`; none until then: one GEMM, the plain `A @ B`).
+Rationale: proofs/custom_ops_notes.md, "CPU strips".
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+# ((min_rows, strips), ...), min_rows ascending: a product of n rows takes the strips of the
+# last entry with min_rows <= n, and one GEMM below the first.
+_CPU_STRIPS: tuple[tuple[int, int], ...] = ()
+# Extra elements per row of the mirror's scratch strip (see _mirror_lower_).
+_SCRATCH_PAD = 16
+# Strips get at least this many rows each: thinner GEMMs lose more to overhead than they save.
+MIN_STRIP_ROWS = 16
+
+
+def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
+    """`table` as a strip table ((min_rows, strips), ...), or ValueError naming what is wrong."""
+    rows = []
+    for entry in table:
+        ok = isinstance(entry, tuple | list) and len(entry) == 2
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        if not (ok and entry[1] >= 1 and entry[0] >= entry[1] * MIN_STRIP_ROWS):
+            raise ValueError(
+                f"strip table entries are (min_rows, strips) ints with strips >= 1 and min_rows "
+                f">= {MIN_STRIP_ROWS}·strips, got {entry!r} in {table!r}"
+            )
+        rows.append((entry[0], entry[1]))
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(rows)):
+        raise ValueError(f"strip table min_rows must ascend strictly, got {table!r}")
+    return tuple(rows)
+
+
+def set_cpu_strips(table) -> None:
+    """Install the CPU strip table ((min_rows, strips), ...; see `_CPU_STRIPS`).
+
+    Process-wide (the kernel reads it when it runs, eager or compiled); every rank of a job must
+    install the same table (dmuon_fn agrees on it, see dmuon_fn/ns/_dispatch.py).
+    """
+    global _CPU_STRIPS
+    _CPU_STRIPS = check_cpu_strips(table)
+
+
+def cpu_strips() -> tuple[tuple[int, int], ...]:
+    """The installed CPU strip table (empty: one GEMM everywhere)."""
+    return _CPU_STRIPS
+
+
+def _cpu_blocks(n: int) -> int:
+    blocks = 1
+    for min_rows, strips in _CPU_STRIPS:
+        if n >= min_rows:
+            blocks = strips
+    return blocks
+
+
+def _as_batched(t: Tensor) -> Tensor:
+    # explicit batch size: reshape(-1, ...) is ambiguous for an empty (k = 0) operand
+    return t.reshape(t.shape[:-2].numel(), t.shape[-2], t.shape[-1])
+
+
+def _mirror_lower_(out: Tensor, bounds: list[int]) -> Tensor:
+    """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds` (through
+    a scratch buffer of padded row stride when n is a multiple of 128: fewer cache conflicts)."""
+    n = out.shape[-1]
+    conflicts = n % 128 == 0  # elsewhere the scratch copy costs more than it saves
+    scratch = None
+    if conflicts:  # one buffer for every strip: the tallest strip by the widest part
+        rows = max(r1 - r0 for r0, r1 in itertools.pairwise(bounds))
+        scratch = out.new_empty((*out.shape[:-2], rows, bounds[-2] + _SCRATCH_PAD))
+    for r0, r1 in itertools.pairwise(bounds[1:]):
+        part = out[..., r0:r1, :r0]
+        if scratch is not None:
+            part = scratch[..., : r1 - r0, :r0].copy_(part)
+        out[..., :r0, r0:r1].copy_(part.mT)
+    return out
+
+
+def _strip_bounds(n: int, blocks: int) -> list[int]:
+    return [(i * n) // blocks for i in range(blocks + 1)]
+
+
+def triangle_product(
+    A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
+) -> Tensor:
+    """alpha·A·B + beta·C by `blocks` lower row strips, mirrored (see the module docstring)."""
+    lead = A.shape[:-2]
+    n = A.shape[-2]
+    if alpha == 0.0:
+        # torch 2.13's CPU bf16 baddbmm returns garbage for alpha=0; the product is not needed.
+        out = torch.zeros((*lead, n, n), dtype=A.dtype, device=A.device)
+        if C is not None and beta != 0.0:
+            out = beta * C.triu()
+            out = out + out.triu(1).mT
+        return out
+    A3, B3 = _as_batched(A), _as_batched(B)
+    C3 = _as_batched(C) if C is not None and beta != 0.0 else None
+    out = torch.empty(A3.shape[0], n, n, dtype=A.dtype, device=A.device)
+    if blocks == 1:  # both triangles, left as computed: mirroring costs more than it gives
+        if A3.shape[0] > 1:
+            _gemm(A3, B3, C3, alpha, beta, out)
+        else:
+            _gemm(A3[0], B3[0], None if C3 is None else C3[0], alpha, beta, out[0])
+        return out.reshape(*lead, n, n)
+    # Strips go through 2-D GEMMs: bmm would copy a sliced transposed operand; BLAS takes it.
+    bounds = _strip_bounds(n, blocks)
+    for i in range(A3.shape[0]):
+        for r0, r1 in itertools.pairwise(bounds):
+            c = None if C3 is None else C3[i, r0:r1, :r1]
+            _gemm(A3[i, r0:r1, :], B3[i, :, :r1], c, alpha, beta, out[i, r0:r1, :r1])
+    _mirror_lower_(out, bounds)
+    return out.reshape(*lead, n, n)
+
+
+def _gemm(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, out: Tensor) -> None:
+    """out ← alpha·a·b + beta·c (2-D or 3-D), the add inside the GEMM's fp32 accumulation."""
+    mm, addmm = (torch.mm, torch.addmm) if a.dim() == 2 else (torch.bmm, torch.baddbmm)
+    if c is not None:
+        addmm(c, a, b, beta=beta, alpha=alpha, out=out)
+    else:
+        mm(a, b, out=out)
+        if alpha != 1.0:
+            out.mul_(alpha)
+
+
+def cpu_blocked(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """The CPU kernel: the installed table's strips for A's rows."""
+    return triangle_product(A, B, C, alpha, beta, _cpu_blocks(A.shape[-2]))
+
+
+def full_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """The whole product with one GEMM (no FLOP saving), symmetric to rounding."""
+    return triangle_product(A, B, C, alpha, beta, 1)
