@@ -1,21 +1,12 @@
 """dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
 
-Who holds what is in dedicated/_entries.py; how parameters move (grouped per layer and owner,
-prefetched in the recorded module order, gradients reduced asynchronously) in
-dedicated/_schedule.py; the hooks that take and give back the values, eager and compiled, in
-dedicated/_gather.py.
-
-- forward: right before a module that uses the parameter runs, its full value (broadcast by its
-  local owner to the shard group, in the model dtype or `param_dtype`) is set on the module;
-  the module computes with that gathered copy. Every collective failure names its phase
-  (`_guard.CollectiveError`).
-- backward: the autograd transpose of that broadcast, a sum onto the local owner (stage 1); under
-  HSDP a second sum across the replicate group onto the global owner (stage 2); the global owner
-  divides by G·R (the data-parallel average) into `param.grad`.
-- Z3 (`reshard_after_forward=True`): the gathered copy is not kept for backward: it is
-  broadcast again when backward needs it. Z2 keeps it until backward has used it.
-- a block compiled with torch.compile traces these gathers and reduces into its graph, one
-  graph for identical blocks on every rank (`_gather`).
+Who holds what: dedicated/_entries.py; how parameters move (per layer and owner, prefetched in
+the recorded module order, gradients reduced asynchronously): dedicated/_schedule.py; the hooks,
+eager and compiled: dedicated/_gather.py. Forward broadcasts the local owner's value (model dtype
+or `param_dtype`) over the shard group before each module that uses it; backward sums the
+gradients onto the local owner (stage 1) and, under HSDP, across replicas onto the global owner
+(stage 2), which divides by G·R into `param.grad` (proofs/dedicate.md). Z3
+(`reshard_after_forward=True`) gathers again in backward instead of keeping the copy.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from ..planning._check import check_plan_consistent
 from ..planning._partition import layer_keys, partition
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
+from ..planning._view import RankView
 from ..tp._layout import (
     TensorMesh,
     check_crossing,
@@ -46,8 +38,9 @@ from ..tp._layout import (
 from . import _fsdp_adapter as fsdp
 from ._entries import Entry
 from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
-from ._schedule import Scheduler, make_groups, make_units
+from ._schedule import Scheduler
 from ._state import STATE_ATTR, DedicatedState, dedicated_state
+from ._units import make_groups, make_units
 
 Predicate = Callable[[str, nn.Parameter], bool]
 __all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state", "plan_summary"]
@@ -87,7 +80,6 @@ def dedicate_params(
     tensor parallelism the owner's data coordinate; `plan.tensor_slot(name)` its root tensor
     rank).
     """
-    fsdp.require_installed()
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already applied to this model")
     if fsdp.is_fully_sharded(model):
@@ -147,22 +139,19 @@ def dedicate_params(
         group = own_group(tmesh.get_group())
         tp = TensorMesh(tmesh, group, tmesh.get_local_rank(), tmesh.size())
 
+    replica_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
     st = DedicatedState(
-        plan=plan,
+        view=RankView(plan, mesh.get_local_rank(), replica_rank),
         shard_group=own_group(mesh.get_group()),
         replicate_group=None if replicate_mesh is None else own_group(replicate_mesh.get_group()),
-        shard_rank=mesh.get_local_rank(),
-        replica_rank=0 if replicate_mesh is None else replicate_mesh.get_local_rank(),
-        shard_size=G,
-        replicate_size=R,
         reshard_after_forward=reshard_after_forward,
         tensor=tp,
     )
     new_params: dict[int, nn.Parameter] = {}
     for pid, names in seen.items():
         old = part_of(params[pid])  # (tensor parallelism: this tensor rank's part)
-        shard, rep = plan.coords(plan.slot(names[0]))
         dt = param_dtype or old.dtype
+        shard, rep = st.view.coords(names[0])
         e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
         if tp is not None:
             e.tp = make_layout(params[pid], tp, plan.tensor_slot(names[0]))

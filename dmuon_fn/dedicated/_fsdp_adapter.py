@@ -27,15 +27,6 @@ DEDICATED_ATTR = "_dmuon_dedicated"
 _STATE_KEY = "__composable_api_state_key"
 _REGISTRY_KEY = "__composable_api_registry_key"
 _noted_containers = False
-_installed = False
-
-
-def require_installed() -> None:
-    if not _installed:
-        raise RuntimeError(
-            "dmuon_fn could not patch this torch's fully_shard, so FSDP2 would also manage "
-            "dedicated parameters; dedicate_params needs torch 2.13's fully_shard"
-        )
 
 
 def is_dedicated(p: torch.Tensor) -> bool:
@@ -96,11 +87,7 @@ def managed_params(model: nn.Module) -> set[int]:
     out: set[int] = set()
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            state = m._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # a torch with one group per state
-                groups = [g] if (g := state._fsdp_param_group) is not None else []
-            for group in groups:
+            for group in m._get_fsdp_state()._fsdp_param_groups:
                 out.update(id(fp.sharded_param) for fp in group.fsdp_params)
     return out
 
@@ -122,16 +109,8 @@ def _container_without_forward(module: object) -> bool:
 
 
 def install() -> None:
-    """Patch `fully_shard` once (idempotent). If this torch's `fully_shard` has another shape,
-    warn instead of failing the import: orthogonalize and the functional API do not need the
-    patch, and `dedicate_params` refuses to run without it (`require_installed`)."""
-    global _installed
-    try:
-        cell = _func_cell()
-    except RuntimeError as e:
-        warnings.warn(f"{e}; dedicate_params is unavailable", stacklevel=2)
-        return
-    _installed = True
+    """Patch `fully_shard` once (idempotent)."""
+    cell = _func_cell()
     original = cell.cell_contents
     if getattr(original, "_dmuon_patched", False):
         return

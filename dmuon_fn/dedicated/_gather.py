@@ -1,28 +1,20 @@
 """The object API's per-module gather and reduce-to-owner, eager and inside compiled blocks.
 
-`install_hooks` gives every module that holds dedicated parameters a forward pre-hook, which
-takes each one's full value from the scheduler (dmuon_fn/dedicated/_schedule.py: its unit's gathers,
-issued ahead or now) and lets the module compute with it, and a post-hook, which drops it.
-Backward hands the gradient of that value to the scheduler, which sums it onto the owner (the
-broadcast's transpose; a second stage across replicas under HSDP) into the global owner's
-`param.grad`. A `Slot` (one module attribute's use of one entry) is what both paths call:
+Every module that holds dedicated parameters gets a forward pre-hook, which sets each one's
+full value (from the scheduler: its unit's gathers) as an instance attribute, and a post-hook,
+which drops it; backward hands the value's gradient to the scheduler's reduce. A `Slot` (one
+module attribute's use of one entry) is what both paths call:
 
-- eager: `_Gather`, an autograd.Function, calls it directly (so `CommCounter` sees c10d ops);
-- compiled (`torch.compile` of a block that contains the module traces the hooks with it):
-  dmuon::param_gather, whose autograd formula is dmuon::param_reduce, and at the block's entry
-  dmuon::gather_start, which issues the whole unit's gathers before the block computes. The
-  ops take the slot's handle (custom_ops._handles), whose metadata is the same for every
-  parameter on every rank, and the full shape and dtype; the hooks read nothing else of the
-  entry (not `param`: full on owners, 0-size elsewhere). So a graph has no rank- or
-  owner-specific constant or guard: identical blocks share one graph, and every rank traces the
-  same graph, whose collectives any deterministic compiler then orders alike.
+- eager: `_Gather`, an autograd.Function, calls it directly;
+- compiled (a block compiled with torch.compile traces the hooks): dmuon::param_gather (its
+  autograd formula: dmuon::param_reduce) and, at the block's entry, dmuon::gather_start over
+  the unit's handles. The ops take the slot's handle (custom_ops._handles), the full shape,
+  dtype and device, nothing rank- or owner-specific: identical blocks share one graph on every
+  rank (proofs/dedicated_notes.md).
 
-Z3 (`reshard_after_forward`): eager, saved_tensors_hooks swap autograd's saved references to a
-gathered value for its unit and group, and re-gather when backward unpacks them; compiled, the
-gather runs inside `torch.utils.checkpoint`, which under torch.compile tags it for recompute,
-so the partitioner saves only the handle and gathers again in backward.
-
-Which parameters took part in a step: backward gives a slot's handle a gradient
+Z3 (`reshard_after_forward`): eager, saved_tensors_hooks keep (unit, group, view geometry) of a
+gathered value and re-gather when backward unpacks it; compiled, the gather runs inside
+`torch.utils.checkpoint`, recomputed in backward. Backward gives a slot's handle a gradient
 (`Entry.touched`).
 """
 
@@ -39,8 +31,9 @@ from custom_ops._handles import new_handle
 
 from . import _fsdp_adapter as fsdp
 from ._entries import Entry
-from ._schedule import Group, Scheduler, Unit
+from ._schedule import Scheduler
 from ._state import DedicatedState
+from ._units import Group, Unit
 
 
 class Slot:
@@ -55,10 +48,6 @@ class Slot:
     @property
     def scheduler(self) -> Scheduler:
         return self.st.scheduler
-
-    def take(self, owes_grad: bool) -> Tensor:
-        """The value for the module about to run (forward)."""
-        return self.scheduler.value(self.e, self.unit, self.bucket if owes_grad else None)
 
     def start(self) -> None:
         """dmuon::gather_start's runtime: the unit's gathers are issued (if not already)."""
@@ -88,7 +77,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle: Tensor, slot: Slot, owes_grad: bool) -> Tensor:
         ctx.slot = slot
-        return slot.take(owes_grad)
+        return slot.scheduler.value(slot.e, slot.unit, slot.bucket if owes_grad else None)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -183,16 +172,10 @@ def install_hooks(
     st: DedicatedState,
 ) -> None:
     """Gather `slots` ((attribute name, slot) pairs, all of `unit`) around every forward of
-    `module`. Compiled, the hook first issues the whole unit's gathers (dmuon::gather_start
-    over `unit_handles`, every slot handle of the unit; a no-op at run time once they are
-    issued), so the first module of a compiled block issues them all before it computes.
-
-    The gathered value shadows the placeholder as an instance attribute (instance attributes
-    come before `_parameters` in attribute lookup), so `parameters()` and state dicts never
-    see it. The post-hook is not `always_call`: such hooks add a guard on their per-module
-    hook id to every compiled graph, one graph per block. After a forward that raised, the
-    next forward's pre-hook replaces the stale value and Z3's hooks.
-    """
+    `module`, as instance attributes shadowing the placeholders (`parameters()` and state dicts
+    never see them). Compiled, the first module of a block issues the whole unit's gathers
+    (dmuon::gather_start over `unit_handles`, every slot handle of the unit). After a forward
+    that raised, the next pre-hook replaces the stale values and Z3's hooks."""
     saver = _Z3Saver(st) if st.reshard_after_forward else None
 
     def pre(mod: nn.Module, args):

@@ -1,17 +1,12 @@
 """Tensor parallelism: how a dedicated parameter lies over the tensor-parallel ranks.
 
-A model prepared with `parallelize_module(model, mesh["tp"], ...)` (ColwiseParallel,
-RowwiseParallel, ...) holds DTensors over the 1-D tensor mesh: each of its T ranks keeps a shard
-(`Shard(d)`, torch.chunk's sizes, so shards may be uneven) or a whole copy (`Replicate()`).
-Parameters it left alone are plain tensors, replicated over the T ranks in effect: every tensor
-rank computes them alike from the same activations.
-
-`dedicate_params` dedicates each tensor rank's own part (its shard, or the whole value) over
-the data mesh, as it dedicates a plain parameter: the owner slot's tensor rank t holds part t,
-gathers it to the other data ranks of tensor column t, and receives its gradient. The module
-computes with `TensorLayout.to_module(part)`: the DTensor it held before (a plain tensor stays
-plain). Muon orthogonalizes each matrix once in the job: on the tensor rank `root` of its owner
-slot, with the parts gathered there and the update's parts sent back (dmuon_fn/tp/_exchange.py).
+A model prepared with `parallelize_module(model, mesh["tp"], ...)` holds DTensors over the 1-D
+tensor mesh of T ranks: each keeps a shard (`Shard(d)`, torch.chunk's sizes, possibly uneven)
+or a whole copy (`Replicate()`); plain parameters are whole copies in effect. `dedicate_params`
+dedicates each tensor rank's own part over the data mesh, as a plain parameter (tensor rank t
+of the owner slot holds part t); the module computes with `TensorLayout.to_module(part)`, the
+DTensor it held before. Each matrix is orthogonalized once in the job, on the tensor rank
+`root` of its owner slot (dmuon_fn/tp/_transfer.py; proofs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -35,9 +30,6 @@ class TensorMesh:
     group: dist.ProcessGroup
     rank: int
     size: int
-
-    def global_rank(self, tensor_rank: int) -> int:
-        return dist.get_global_rank(self.group, tensor_rank)
 
 
 @dataclass(frozen=True, eq=False)
