@@ -65,10 +65,6 @@ class Entry:
         return self.shape if self.tp is None else self.tp.full_shape
 
     @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    @property
     def touched(self) -> bool:
         """Backward reached a gather of this parameter since the last step (the same on every
         rank that took part)."""

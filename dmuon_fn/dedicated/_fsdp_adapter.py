@@ -29,10 +29,6 @@ _REGISTRY_KEY = "__composable_api_registry_key"
 _noted_containers = False
 
 
-def is_dedicated(p: torch.Tensor) -> bool:
-    return bool(getattr(p, DEDICATED_ATTR, False))
-
-
 def is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
@@ -101,13 +97,6 @@ def _func_cell() -> Any:
     raise RuntimeError("dmuon_fn cannot find fully_shard's implementation to patch")
 
 
-def _container_without_forward(module: object) -> bool:
-    return (
-        isinstance(module, nn.ModuleList | nn.ModuleDict)
-        and type(module).forward is nn.Module.forward
-    )
-
-
 def install() -> None:
     """Patch `fully_shard` once (idempotent)."""
     cell = _func_cell()
@@ -117,7 +106,9 @@ def install() -> None:
 
     def patched(module, *args, **kwargs):
         global _noted_containers
-        if _container_without_forward(module):
+        if isinstance(module, nn.ModuleList | nn.ModuleDict) and (
+            type(module).forward is nn.Module.forward  # a container without forward
+        ):
             # undo the state `contract` registered before calling us: FSDP2 must not treat
             # the container as a nested fully_shard root, or the enclosing group skips it
             module.__dict__.get(_STATE_KEY, {}).pop(patched, None)
@@ -132,10 +123,10 @@ def install() -> None:
                 )
             return module
         modules = [module] if isinstance(module, nn.Module) else list(module)
-        dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
+        params = (p for m in modules for p in m.parameters())
+        dedicated = {p for p in params if getattr(p, DEDICATED_ATTR, False)}
         if dedicated:
-            ignored = set(kwargs.get("ignored_params") or ()) | dedicated
-            kwargs["ignored_params"] = ignored
+            kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | dedicated
         return original(module, *args, **kwargs)
 
     patched.__name__ = original.__name__

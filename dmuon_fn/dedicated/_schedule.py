@@ -1,21 +1,15 @@
 """Prefetched gathers and asynchronous reduces of a model's dedicated parameters (object API).
 
-Forward: units (dedicated/_units.py) are needed in the order recorded on the previous forward.
-When unit i is needed its gathers are taken from those issued ahead, or issued now, then the
-next `depth` units' gathers of the recorded order are issued; a unit needed out of that order
-makes every rank drain the same gathers issued ahead and gather it at once, and the new order
-is recorded. Peak: the gathered copies of depth + 1 units (Z3; Z2 keeps what autograd saves).
-
-Backward: gradients go to the `Reducer` (dedicated/_reduce.py). Z3 re-gathers a unit once for
-all its saved values, walking the recorded order in reverse with the same prefetch.
-
-Gathers in the step (`Muon(gather_in_step=True)`): the step issues the next forward's gathers
-unit by unit (`next_forward_order`, `gather_for_next_forward`); each owner records its
-parameters' versions and the forward checks them (a change in between raises).
-
-Prefetch 0: every gather and reduce is waited for where it is issued (the same collectives on
-the same bytes). Every collective is issued at a point of the program's module order, never of
-timing: one order on every rank (proofs/prefetch.md).
+Forward: units (dedicated/_units.py) are needed in the order recorded on the previous forward;
+a unit's gathers are taken from those issued ahead (or issued now), then the next `depth`
+units' are issued. A unit out of that order makes every rank drain the gathers issued ahead and
+gather it at once; the new order is recorded. Peak: depth + 1 units' gathered copies (Z3).
+Backward: gradients go to the `Reducer` (dedicated/_reduce.py); Z3 re-gathers a unit once for
+all its saved values, walking the recorded order in reverse. `Muon(gather_in_step=True)`: the
+step issues the next forward's gathers (`gather_for_next_forward`) and the forward checks that
+the owners' parameters did not change since. Prefetch 0: everything is waited for where it is
+issued. Collectives are issued at points of the module order only, one order on every rank
+(proofs/prefetch.md).
 """
 
 from __future__ import annotations
@@ -111,22 +105,19 @@ class Scheduler:
     def value(self, e: Entry, unit: Unit, bucket: Group | None) -> Tensor:
         """`e`'s full value for a module of `unit` about to run; `bucket`: the value takes part
         in autograd, so backward will deposit its gradient there."""
-        flight = self.open_flight(unit).wait()
+        flight = self.open_unit(unit).wait()
         if bucket is not None:
             self.reducer.expect(bucket, e)
         return flight.value(e)
 
-    def open_unit(self, unit: Unit) -> None:
-        """`unit` is about to run: its gathers issued (taken from those issued ahead)."""
+    def open_unit(self, unit: Unit) -> Flight:
+        """`unit` is about to run: its gathers, issued (or taken from those issued ahead)."""
         if self.open is None or self.open[0] is not unit:
             self.open = None  # the last unit's copy goes before the next one is gathered
             self.current.append(unit)
             if len(self.current) > 4 * len(self.units) + 4:
                 del self.current[: len(self.units)]  # no end_forward: the root is never called
             self.open = (unit, self.forward.take(unit))
-
-    def open_flight(self, unit: Unit) -> Flight:
-        self.open_unit(unit)
         return self.open[1]
 
     # ------------------------------------------------------------------ gathers in the step

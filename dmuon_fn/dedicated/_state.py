@@ -32,9 +32,6 @@ class DedicatedState(Topology):
     def entry(self, p: torch.Tensor) -> Entry | None:
         return self.by_param.get(id(p))
 
-    def owners(self) -> dict[str, int | tuple[int, int]]:
-        return {n: self.plan.owner(e.name) for e in self.entries for n in e.names}
-
     def wait_publish(self, e: Entry) -> None:
         e.wait_publish()
 

@@ -30,7 +30,7 @@ class Group:
         self.device = e0.device
         offsets = [0]
         for e in self.entries:
-            offsets.append(offsets[-1] + e.numel)
+            offsets.append(offsets[-1] + e.shape.numel())
         self.offsets, self.numel = tuple(offsets), offsets[-1]
         self.index = {id(e): i for i, e in enumerate(self.entries)}
         # backward (a bucket): per entry, handed-out values still owing a gradient; the sum of

@@ -11,11 +11,13 @@ DTensor it held before. Each matrix is orthogonalized once in the job, on the te
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -79,16 +81,8 @@ class TensorLayout:
             placements,
             run_check=False,
             shape=self.full_shape,
-            stride=_contiguous_stride(self.full_shape),
+            stride=make_contiguous_strides_for(self.full_shape),
         )
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
 
 
 def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
@@ -128,12 +122,9 @@ def check_crossing(tensor: DeviceMesh, data: list[DeviceMesh]) -> None:
     one mesh over the world: their groups cross in exactly this rank and their sizes multiply
     to the world size."""
     ranks = [set(m.mesh.flatten().tolist()) for m in (tensor, *data)]
-    size = 1
-    for r in ranks:
-        size *= len(r)
     me = dist.get_rank()
     crossing = all(a & b == {me} for i, a in enumerate(ranks) for b in ranks[i + 1 :])
-    if size != dist.get_world_size() or not crossing:
+    if math.prod(len(r) for r in ranks) != dist.get_world_size() or not crossing:
         raise ValueError(
             f"the tensor-parallel mesh {tensor} and the data mesh(es) {data} are not the dims of "
             "one mesh over the world: build init_device_mesh(dev, (dp, tp), mesh_dim_names="
@@ -149,11 +140,6 @@ def layout_name(p: torch.Tensor) -> str:
         return PLAIN
     (pl,) = p.placements
     return f"Shard({pl.dim % p.ndim})" if isinstance(pl, Shard) else "Replicate()"
-
-
-def part_of(p: torch.Tensor) -> torch.Tensor:
-    """This tensor rank's part of a parameter (a DTensor's local shard, else the tensor)."""
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:
