@@ -1,12 +1,11 @@
 """Backward's gradient sums and their reduces onto the global owners (object API).
 
-Per bucket (a module's entries with one global owner and dtypes, `_units.Group`) the
-gradients of this forward's handed-out values are summed in one flat buffer of the reduce
-dtype. A complete sum is reduced onto the local owner over the shard group at the next call
-(`flush`); the rest when the backward pass ends (`end_pass`). `wait` lands them in the global
-owners' `.grad` as the mean over the G·R data ranks, after the second stage across replicas
-(HSDP), in issue order. With sync off the sums stay on each rank and the next synchronized
-reduce carries them. Why one call late: proofs/dedicated_notes.md.
+Per bucket (`_units.Group`: a module's entries with one global owner and dtypes) the gradients
+of this forward's handed-out values are summed in one flat buffer of the reduce dtype, reduced
+onto the local owner over the shard group once complete (at the next call) or when the pass
+ends, and landed by `wait` as the mean over the G·R data ranks in the global owners' `.grad`
+(HSDP: after the second stage, across replicas). With sync off the sums stay on each rank
+until the next synchronized reduce (proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations

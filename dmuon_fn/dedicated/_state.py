@@ -1,9 +1,7 @@
-"""What `dedicate_params` attaches to a model: the plan's view, the entries, the scheduler that
-moves them, and the HSDP publish after each step (who holds what: dedicated/_entries.py).
-
-After the optimizer step (HSDP) the global owner broadcasts the new value, in the model dtype,
-to the local owners of the other replicas; with `replicate_async` the publish runs in the
-background and is waited for right before the parameter's next gather or update.
+"""What `dedicate_params` attaches to a model (who holds what: dedicated/_entries.py), and the
+HSDP publish after each step: the global owner broadcasts the new value, in the model dtype, to
+the other replicas' local owners (in the background with `replicate_async`, waited for right
+before the parameter's next gather or update).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""What the scheduler moves, and the walk that issues it ahead.
-
-A *unit* is what is gathered together: the dedicated parameters of one layer's module subtree
-(keyed as the planner keys layers, `planning/_partition.layer_keys`), or of one module outside
-repeated blocks. A unit's entries with one global owner and dtypes form a `Group`, gathered by
-one broadcast of their concatenation from the owner (`Flight`); one module's entries grouped
-alike form a reduce *bucket* (also a `Group`, dedicated/_reduce.py).
+"""What the scheduler moves, and the walk that issues it ahead. A *unit* (one layer's module
+subtree, keyed as `planning/_partition.layer_keys` keys layers, or one module outside repeated
+blocks) is gathered together: per `Group` of its entries with one global owner and dtypes, one
+broadcast of their concatenation from the owner (`Flight`). One module's entries grouped alike
+form a reduce bucket (dedicated/_reduce.py).
 """
 
 from __future__ import annotations
@@ -42,9 +40,6 @@ class Group:
 
     def part(self, flat: Tensor, i: int) -> Tensor:
         return flat[self.offsets[i] : self.offsets[i + 1]].view(self.entries[i].shape)
-
-    def view(self, flat: Tensor, e: Entry) -> Tensor:
-        return self.part(flat, self.index[id(e)])
 
     @property
     def names(self) -> str:
@@ -99,7 +94,7 @@ class Flight:
 
     def value(self, e: Entry) -> Tensor:
         i, g = self.unit.group_of[id(e)]
-        return g.view(self.flats[i], e)
+        return g.part(self.flats[i], g.index[id(e)])
 
 
 class Cursor:
