@@ -19,6 +19,7 @@ from dmuon_fn.dedicated._state import STATE_ATTR, DedicatedState
 from dmuon_fn.ns._cost import ns_flops
 from dmuon_fn.planning._partition import partition
 from dmuon_fn.planning._summary import plan_summary
+from dmuon_fn.planning._view import RankView
 from tests._plans import owned_by
 
 PROPS = settings(max_examples=100, deadline=None)
@@ -276,14 +277,7 @@ def test_accepts_an_fn_plan_and_a_dedicated_model():
     part = partition({"0.weight": (48, 16), "2.weight": (16, 48)}, 2)
     # what dedicate_params attaches (its plan is all plan_summary reads)
     state = DedicatedState(
-        shard_group=None,
-        replicate_group=None,
-        shard_rank=0,
-        replica_rank=0,
-        shard_size=2,
-        replicate_size=1,
-        reshard_after_forward=True,
-        plan=part,
+        view=RankView(part), shard_group=None, replicate_group=None, reshard_after_forward=True
     )
     setattr(model, STATE_ATTR, state)
     assert dmuon_fn.plan_summary(model) == plan_summary(part)

@@ -1,21 +1,12 @@
 """dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
 
-Who holds what is in dedicated/_entries.py; how parameters move (grouped per layer and owner,
-prefetched in the recorded module order, gradients reduced asynchronously) in
-dedicated/_schedule.py; the hooks that take and give back the values, eager and compiled, in
-dedicated/_gather.py.
-
-- forward: right before a module that uses the parameter runs, its full value (broadcast by its
-  local owner to the shard group, in the model dtype or `param_dtype`) is set on the module;
-  the module computes with that gathered copy. Every collective failure names its phase
-  (`_guard.CollectiveError`).
-- backward: the autograd transpose of that broadcast, a sum onto the local owner (stage 1); under
-  HSDP a second sum across the replicate group onto the global owner (stage 2); the global owner
-  divides by G·R (the data-parallel average) into `param.grad`.
-- Z3 (`reshard_after_forward=True`): the gathered copy is not kept for backward: it is
-  broadcast again when backward needs it. Z2 keeps it until backward has used it.
-- a block compiled with torch.compile traces these gathers and reduces into its graph, one
-  graph for identical blocks on every rank (`_gather`).
+Who holds what: dedicated/_entries.py; how parameters move (per layer and owner, prefetched in
+the recorded module order, gradients reduced asynchronously): dedicated/_schedule.py; the hooks,
+eager and compiled: dedicated/_gather.py. Forward broadcasts the local owner's value (model dtype
+or `param_dtype`) over the shard group before each module that uses it; backward sums the
+gradients onto the local owner (stage 1) and, under HSDP, across replicas onto the global owner
+(stage 2), which divides by G·R into `param.grad` (proofs/dedicate.md). Z3
+(`reshard_after_forward=True`) gathers again in backward instead of keeping the copy.
 """
 
 from __future__ import annotations
@@ -32,21 +23,14 @@ from ..comm._errors import phase
 from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
-from ..planning._partition import layer_keys, partition
+from ..planning._partition import partition
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
-from ..tp._layout import (
-    TensorMesh,
-    check_crossing,
-    find_tensor_mesh,
-    layout_name,
-    make_layout,
-    part_of,
-)
+from ..planning._view import RankView
+from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
 from ._entries import Entry
-from ._gather import Slot, install_hooks, install_root_hooks, install_unit_hook
-from ._schedule import Scheduler, make_groups, make_units
+from ._gather import install
 from ._state import STATE_ATTR, DedicatedState, dedicated_state
 
 Predicate = Callable[[str, nn.Parameter], bool]
@@ -87,7 +71,6 @@ def dedicate_params(
     tensor parallelism the owner's data coordinate; `plan.tensor_slot(name)` its root tensor
     rank).
     """
-    fsdp.require_installed()
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already applied to this model")
     if fsdp.is_fully_sharded(model):
@@ -103,127 +86,80 @@ def dedicate_params(
         check_crossing(tmesh, [m for m in (mesh, replicate_mesh) if m is not None])
     check_dtypes(param_dtype, reduce_dtype)
 
-    seen: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
+    params: dict[int, tuple[nn.Parameter, list[str]]] = {}  # id -> (parameter, its names)
     for name, p in model.named_parameters(remove_duplicate=False):
         if pure or predicate(name, p):
-            seen.setdefault(id(p), []).append(name)
-            params[id(p)] = p
-    if not seen:
+            params.setdefault(id(p), (p, []))[1].append(name)
+    if not params:
         raise ValueError(
             "predicate matched no parameter: e.g. predicate=lambda n, p: 'proj' in n and "
             "p.ndim == 2 dedicates the projection matrices"
         )
-    if not pure:
-        for pid, names in seen.items():
-            if params[pid].ndim < 2:
-                raise ValueError(
-                    f"{names[0]} (shape {tuple(params[pid].shape)}) matched the predicate but is "
-                    "not a matrix: Muon orthogonalizes matrices. Exclude it from the predicate "
-                    "(FSDP2 shards it and Muon applies AdamW), or pass pure=True to dedicate "
-                    "every parameter with AdamW on the owners of non-matrices"
-                )
+    for p, names in params.values():
+        if not pure and p.ndim < 2:
+            raise ValueError(
+                f"{names[0]} (shape {tuple(p.shape)}) matched the predicate but is not a "
+                "matrix: Muon orthogonalizes matrices. Exclude it from the predicate (FSDP2 "
+                "shards it and Muon applies AdamW), or pass pure=True to dedicate every "
+                "parameter with AdamW on the owners of non-matrices"
+            )
 
-    G = mesh.size()
     R = 1 if replicate_mesh is None else replicate_mesh.size()
-    names_in_order = [names[0] for names in seen.values()]
-    shapes = {seen[pid][0]: tuple(params[pid].shape) for pid in seen}
-    non_matrix = [n for n in names_in_order if len(shapes[n]) < 2]
-    device = _mesh_device(mesh, next(iter(params.values())).device)
-    aspect = agreed_aspect(device)  # every rank plans (and runs) rank 0's NS dispatch
+    shapes = {names[0]: tuple(p.shape) for p, names in params.values()}
+    device = _mesh_device(mesh, next(iter(params.values()))[0].device)
     plan = partition(
         shapes,
-        G * R,
+        mesh.size() * R,
         replicate_size=R,
-        elementwise=non_matrix,
-        gram_min_aspect=aspect,
+        elementwise=[n for n, shape in shapes.items() if len(shape) < 2],
+        gram_min_aspect=agreed_aspect(device),  # every rank plans (and runs) rank 0's dispatch
         # every parameter's layout over the tensor ranks joins the plan (and its check)
         tensor_size=1 if tmesh is None else tmesh.size(),
-        layouts=None if tmesh is None else {seen[i][0]: layout_name(params[i]) for i in seen},
+        layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
     )
     check_plan_consistent(plan)  # before any other collective: ranks that disagree all raise
     tp = None
     if tmesh is not None:
-        group = own_group(tmesh.get_group())
-        tp = TensorMesh(tmesh, group, tmesh.get_local_rank(), tmesh.size())
-
+        tp = TensorMesh(tmesh, own_group(tmesh.get_group()), tmesh.get_local_rank(), tmesh.size())
+    replica_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
     st = DedicatedState(
-        plan=plan,
+        view=RankView(plan, mesh.get_local_rank(), replica_rank),
         shard_group=own_group(mesh.get_group()),
         replicate_group=None if replicate_mesh is None else own_group(replicate_mesh.get_group()),
-        shard_rank=mesh.get_local_rank(),
-        replica_rank=0 if replicate_mesh is None else replicate_mesh.get_local_rank(),
-        shard_size=G,
-        replicate_size=R,
         reshard_after_forward=reshard_after_forward,
         tensor=tp,
     )
     new_params: dict[int, nn.Parameter] = {}
-    for pid, names in seen.items():
-        old = part_of(params[pid])  # (tensor parallelism: this tensor rank's part)
-        shard, rep = plan.coords(plan.slot(names[0]))
+    for pid, (p, names) in params.items():
+        old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
         dt = param_dtype or old.dtype
+        shard, rep = st.view.coords(names[0])
         e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
         if tp is not None:
-            e.tp = make_layout(params[pid], tp, plan.tensor_slot(names[0]))
-        device = _mesh_device(mesh, old.device)
+            e.tp = make_layout(p, tp, plan.tensor_slot(names[0]))
+        e.device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
-            data = old.detach().to(device, master_dtype(old.dtype), copy=True)
+            data = old.detach().to(e.device, master_dtype(old.dtype), copy=True)
         elif st.is_local_owner(e):
-            data = old.detach().to(device, dt, copy=True)
+            data = old.detach().to(e.device, dt, copy=True)
         else:
-            data = torch.empty(0, dtype=dt, device=device)
+            data = torch.empty(0, dtype=dt, device=e.device)
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
-        e.device = device
         new_params[pid] = e.param
         st.entries.append(e)
         st.by_param[id(e.param)] = e
 
-    uses: dict[nn.Module, list[tuple[str, Entry]]] = {}
-    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    uses: dict[nn.Module, list[tuple[str, Entry]]] = {}  # module -> its (attribute, entry)s
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
             if p is not None and id(p) in new_params:
-                new = new_params[id(p)]
-                module._parameters[pname] = new
+                module._parameters[pname] = new = new_params[id(p)]
                 uses.setdefault(module, []).append((pname, st.by_param[id(new)]))
-    _install(model, st, uses, names, prefetch)
-    _sync_tensor_copies(st)
-    _sync_replicas(st)
+    install(model, st, uses, prefetch)
+    _broadcast_copies(st)
     setattr(model, STATE_ATTR, st)
-    return st.owners()
-
-
-def _install(model, st, uses, names, prefetch) -> None:
-    """Units (one per layer, keyed as the planner keys layers, else per module: what is
-    gathered together), buckets (per module and owner: what is reduced together, as soon as
-    that module's gradients are in), slots and hooks, and the scheduler that moves them."""
-    path = {m: f"{names[m]}.{pname}".lstrip(".") for m, s in uses.items() for pname, _ in s[:1]}
-    keys = layer_keys(path.values())
-    unit_key = {m: keys[path[m]] for m in uses}
-    units = {
-        u.key: u for u in make_units([(unit_key[m], e) for m, s in uses.items() for _, e in s])
-    }
-    buckets = {m: make_groups([e for _, e in s]) for m, s in uses.items()}
-    bucket_of = {(m, id(e)): b for m, bs in buckets.items() for b in bs for e in b.entries}
-    all_buckets = [b for bs in buckets.values() for b in bs]
-    st.scheduler = Scheduler(st, list(units.values()), all_buckets, prefetch)
-    slots = {
-        m: [(n, Slot(e, units[unit_key[m]], bucket_of[m, id(e)], st)) for n, e in s]
-        for m, s in uses.items()
-    }
-    handles: dict[str, list[torch.Tensor]] = {}
-    for m, ss in slots.items():
-        handles.setdefault(unit_key[m], []).extend(slot.handle for _, slot in ss)
-    for m, ss in slots.items():
-        install_hooks(m, ss, units[unit_key[m]], handles[unit_key[m]], st)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for key, unit in units.items():
-        holder = modules.get(key)
-        if holder is not None and holder not in uses:  # a block around the parameters' modules
-            install_unit_hook(holder, unit, st)
-    install_root_hooks(model, st)
+    return {n: plan.owner(e.name) for e in st.entries for n in e.names}
 
 
 def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
@@ -234,23 +170,16 @@ def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
     return current if current.type == mesh.device_type else torch.device(mesh.device_type)
 
 
-def _sync_tensor_copies(st: DedicatedState) -> None:
-    """Tensor parallelism: whole copies (plain or Replicate() parameters) start from tensor rank
-    0's value on every tensor rank (one broadcast per parameter over the tensor group): the
-    step sends every tensor rank the same update, so equal copies stay equal."""
+def _broadcast_copies(st: DedicatedState) -> None:
+    """Equal copies from the start, one broadcast per parameter: under tensor parallelism every
+    whole copy (plain or Replicate()) takes tensor rank 0's value (the step then sends every
+    tensor rank the same update); under HSDP every replica's local owner takes the global
+    owner's value."""
     tp = st.tensor
-    if tp is None or tp.size == 1:
-        return
     for e in st.entries:
-        if st.is_local_owner(e) and not e.tp.sharded:
+        if tp is not None and tp.size > 1 and st.is_local_owner(e) and not e.tp.sharded:
             with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
                 broadcast_into(e.param.detach(), 0, tp.group, tp.size)
-
-
-def _sync_replicas(st: DedicatedState) -> None:
-    """HSDP: start every replica's local owner from the global owner's value (one broadcast per
-    parameter over the replicate group), so replicas agree even if their initializations did
-    not."""
     if st.replicate_group is None:
         return
     for e in st.entries:

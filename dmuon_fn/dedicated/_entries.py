@@ -1,14 +1,12 @@
-"""The object API's records: one `Entry` per dedicated parameter, and the `Topology` of the
-groups it is gathered and reduced over. Plain data below every module that moves parameters.
+"""The object API's records: one `Entry` per dedicated parameter, the `Topology` of the groups
+it moves over, and the asynchronous broadcast every move is made of.
 
-Who holds what (G ranks in the shard group, R replicas under HSDP):
-- the *local owner* of a parameter is shard rank `owner_shard` in every replica; it holds the
-  full parameter between steps. The *global owner*, (owner_shard, owner_replica), holds it in
-  fp32 (the master, when the model is lower precision), its optimizer state, and is the only
-  rank that runs Newton-Schulz on it. Every other rank holds a 0-size placeholder.
-- under tensor parallelism "the parameter" is this tensor rank's part of it (`Entry.tp`): every
-  tensor rank of the global owner holds its part's master and state, and one of them (the
-  layout's `root`) runs the matrix's Newton-Schulz (dmuon_fn/tp/_layout.py).
+Who holds what (G ranks in the shard group, R replicas under HSDP; `planning/_view.RankView`):
+the *local owner*, shard rank `owner_shard` of every replica, holds the full parameter between
+steps; the *global owner*, (owner_shard, owner_replica), holds it in fp32 (the master, when the
+model is lower precision) with its optimizer state and runs its update; every other rank holds
+a 0-size placeholder. Under tensor parallelism "the parameter" is this tensor rank's part
+(`Entry.tp`, dmuon_fn/tp/_layout.py).
 """
 
 from __future__ import annotations
@@ -21,12 +19,26 @@ import torch.nn as nn
 
 from ..comm._counters import blocked
 from ..comm._errors import phase
+from ..planning._view import RankView
 from ..tp._layout import TensorLayout
+
+
+def broadcast_start(t: torch.Tensor, src: int, group: dist.ProcessGroup, what: str) -> dist.Work:
+    """Issue the broadcast of `t` (same shape and dtype on every member) from `src`, a rank of
+    `group`; a failure names `what`."""
+    with phase(what):
+        return dist.broadcast(t, src=dist.get_global_rank(group, src), group=group, async_op=True)
+
+
+def wait_work(work: dist.Work, what: str) -> None:
+    """Block on `work` (counted as blocked time; a failure names `what`)."""
+    with blocked(), phase(what):
+        work.wait()
 
 
 @dataclass(eq=False)
 class Entry:
-    """One dedicated parameter (tied names share one entry)."""
+    """One dedicated parameter (tied names share one entry); its owner is the plan's."""
 
     name: str
     names: tuple[str, ...]
@@ -36,15 +48,12 @@ class Entry:
     owner_shard: int
     owner_replica: int
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
-    publish: dist.Work | None = None
-    # one per module slot of the entry (custom_ops._handles; dedicated/_gather.py's `Slot`),
-    # naming it to dmuon::param_gather/param_reduce: each requires grad as `param` does, and
-    # backward sets its .grad when it reaches that slot's gather
+    publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
+    # one per module slot of the entry (custom_ops._handles, dedicated/_gather.py's `Slot`): each
+    # requires grad as `param` does; backward sets its .grad when it reaches that slot's gather
     handles: list[torch.Tensor] = field(default_factory=list)
     device: torch.device | None = None  # param's: compiled hooks read this, never `param`
-    # tensor parallelism: `shape` and `param` are this tensor rank's part of the parameter, whose
-    # layout (and whole shape) this is (dmuon_fn/tp/_layout.py); None without
-    tp: TensorLayout | None = None
+    tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
 
     @property
     def is_matrix(self) -> bool:
@@ -56,13 +65,9 @@ class Entry:
         return self.shape if self.tp is None else self.tp.full_shape
 
     @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    @property
     def touched(self) -> bool:
-        """Backward reached this parameter's gather since the last step (the same on every rank
-        that took part)."""
+        """Backward reached a gather of this parameter since the last step (the same on every
+        rank that took part)."""
         return any(h.grad is not None for h in self.handles)
 
     def next_step(self) -> None:
@@ -72,8 +77,7 @@ class Entry:
         self.follow_requires_grad()
 
     def follow_requires_grad(self) -> None:
-        """The handles require grad as the parameter does: a compiled block reads a handle's
-        flag, never the parameter's."""
+        """The handles require grad as the parameter does (compiled blocks read the handle's)."""
         for h in self.handles:
             if h.requires_grad != self.param.requires_grad:
                 h.requires_grad_(self.param.requires_grad)
@@ -81,25 +85,28 @@ class Entry:
     def wait_publish(self) -> None:
         """Block until the HSDP publish into `param` (if one is pending) has landed."""
         if self.publish is not None:
-            with blocked(), phase(f"the HSDP publish of {self.name}"):
-                self.publish.wait()
+            wait_work(self.publish, f"the HSDP publish of {self.name}")
             self.publish = None
 
 
 @dataclass(eq=False)
 class Topology:
-    """The groups dedicated parameters move over, and this rank's place in them."""
+    """The groups dedicated parameters move over, and this rank's view of the plan."""
 
+    view: RankView
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup | None
-    shard_rank: int
-    replica_rank: int
-    shard_size: int
-    replicate_size: int
     reshard_after_forward: bool
 
+    # the plan and this rank's place in it, all read from the view
+    plan = property(lambda self: self.view.plan)
+    shard_rank = property(lambda self: self.view.shard_rank)
+    replica_rank = property(lambda self: self.view.replica_rank)
+    shard_size = property(lambda self: self.view.plan.shard_size)
+    replicate_size = property(lambda self: self.view.plan.replicate_size)
+
     def is_local_owner(self, e: Entry) -> bool:
-        return self.shard_rank == e.owner_shard
+        return self.view.is_local_owner(e.name)
 
     def is_global_owner(self, e: Entry) -> bool:
-        return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica
+        return self.view.is_global_owner(e.name)

@@ -27,19 +27,6 @@ DEDICATED_ATTR = "_dmuon_dedicated"
 _STATE_KEY = "__composable_api_state_key"
 _REGISTRY_KEY = "__composable_api_registry_key"
 _noted_containers = False
-_installed = False
-
-
-def require_installed() -> None:
-    if not _installed:
-        raise RuntimeError(
-            "dmuon_fn could not patch this torch's fully_shard, so FSDP2 would also manage "
-            "dedicated parameters; dedicate_params needs torch 2.13's fully_shard"
-        )
-
-
-def is_dedicated(p: torch.Tensor) -> bool:
-    return bool(getattr(p, DEDICATED_ATTR, False))
 
 
 def is_dtensor(p: torch.Tensor) -> bool:
@@ -96,11 +83,7 @@ def managed_params(model: nn.Module) -> set[int]:
     out: set[int] = set()
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            state = m._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # a torch with one group per state
-                groups = [g] if (g := state._fsdp_param_group) is not None else []
-            for group in groups:
+            for group in m._get_fsdp_state()._fsdp_param_groups:
                 out.update(id(fp.sharded_param) for fp in group.fsdp_params)
     return out
 
@@ -114,31 +97,18 @@ def _func_cell() -> Any:
     raise RuntimeError("dmuon_fn cannot find fully_shard's implementation to patch")
 
 
-def _container_without_forward(module: object) -> bool:
-    return (
-        isinstance(module, nn.ModuleList | nn.ModuleDict)
-        and type(module).forward is nn.Module.forward
-    )
-
-
 def install() -> None:
-    """Patch `fully_shard` once (idempotent). If this torch's `fully_shard` has another shape,
-    warn instead of failing the import: orthogonalize and the functional API do not need the
-    patch, and `dedicate_params` refuses to run without it (`require_installed`)."""
-    global _installed
-    try:
-        cell = _func_cell()
-    except RuntimeError as e:
-        warnings.warn(f"{e}; dedicate_params is unavailable", stacklevel=2)
-        return
-    _installed = True
+    """Patch `fully_shard` once (idempotent)."""
+    cell = _func_cell()
     original = cell.cell_contents
     if getattr(original, "_dmuon_patched", False):
         return
 
     def patched(module, *args, **kwargs):
         global _noted_containers
-        if _container_without_forward(module):
+        if isinstance(module, nn.ModuleList | nn.ModuleDict) and (
+            type(module).forward is nn.Module.forward  # a container without forward
+        ):
             # undo the state `contract` registered before calling us: FSDP2 must not treat
             # the container as a nested fully_shard root, or the enclosing group skips it
             module.__dict__.get(_STATE_KEY, {}).pop(patched, None)
@@ -153,10 +123,10 @@ def install() -> None:
                 )
             return module
         modules = [module] if isinstance(module, nn.Module) else list(module)
-        dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
+        params = (p for m in modules for p in m.parameters())
+        dedicated = {p for p in params if getattr(p, DEDICATED_ATTR, False)}
         if dedicated:
-            ignored = set(kwargs.get("ignored_params") or ()) | dedicated
-            kwargs["ignored_params"] = ignored
+            kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | dedicated
         return original(module, *args, **kwargs)
 
     patched.__name__ = original.__name__

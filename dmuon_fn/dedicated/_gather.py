@@ -1,29 +1,14 @@
-"""The object API's per-module gather and reduce-to-owner, eager and inside compiled blocks.
+"""The object API's hooks: per-module gather and reduce-to-owner, eager and in compiled blocks.
 
-`install_hooks` gives every module that holds dedicated parameters a forward pre-hook, which
-takes each one's full value from the scheduler (dmuon_fn/dedicated/_schedule.py: its unit's gathers,
-issued ahead or now) and lets the module compute with it, and a post-hook, which drops it.
-Backward hands the gradient of that value to the scheduler, which sums it onto the owner (the
-broadcast's transpose; a second stage across replicas under HSDP) into the global owner's
-`param.grad`. A `Slot` (one module attribute's use of one entry) is what both paths call:
-
-- eager: `_Gather`, an autograd.Function, calls it directly (so `CommCounter` sees c10d ops);
-- compiled (`torch.compile` of a block that contains the module traces the hooks with it):
-  dmuon::param_gather, whose autograd formula is dmuon::param_reduce, and at the block's entry
-  dmuon::gather_start, which issues the whole unit's gathers before the block computes. The
-  ops take the slot's handle (custom_ops._handles), whose metadata is the same for every
-  parameter on every rank, and the full shape and dtype; the hooks read nothing else of the
-  entry (not `param`: full on owners, 0-size elsewhere). So a graph has no rank- or
-  owner-specific constant or guard: identical blocks share one graph, and every rank traces the
-  same graph, whose collectives any deterministic compiler then orders alike.
-
-Z3 (`reshard_after_forward`): eager, saved_tensors_hooks swap autograd's saved references to a
-gathered value for its unit and group, and re-gather when backward unpacks them; compiled, the
-gather runs inside `torch.utils.checkpoint`, which under torch.compile tags it for recompute,
-so the partitioner saves only the handle and gathers again in backward.
-
-Which parameters took part in a step: backward gives a slot's handle a gradient
-(`Entry.touched`).
+A module that holds dedicated parameters gets a forward pre-hook, which sets each one's full
+value (its unit's gathers, from the scheduler) as an instance attribute, and a post-hook, which
+drops it; backward hands the value's gradient to the scheduler. A `Slot` (one module
+attribute's use of one entry) serves both paths: eager, the autograd.Function `_Gather`;
+compiled, dmuon::param_gather (backward: dmuon::param_reduce) and dmuon::gather_start at a
+block's entry, which take the slot's handle (custom_ops._handles), shape, dtype and device,
+nothing rank- or owner-specific (proofs/dedicated_notes.md). Z3 (`reshard_after_forward`):
+eager, saved_tensors_hooks re-gather when backward unpacks a gathered value (`_Z3Saver`);
+compiled, the gather runs inside `torch.utils.checkpoint`, recomputed in backward.
 """
 
 from __future__ import annotations
@@ -37,37 +22,47 @@ from torch.utils.checkpoint import checkpoint
 
 from custom_ops._handles import new_handle
 
+from ..planning._partition import layer_keys
 from . import _fsdp_adapter as fsdp
 from ._entries import Entry
-from ._schedule import Group, Scheduler, Unit
+from ._schedule import Scheduler
 from ._state import DedicatedState
+from ._units import Group, Unit, make_groups, make_units
 
 
 class Slot:
     """One module attribute's use of one entry: gathered with its unit, its gradient reduced
-    with its module's bucket (a custom_ops._handles Handler)."""
+    with its module's bucket (a custom_ops._handles Handler); backward gives its handle a
+    gradient (`Entry.touched`)."""
 
     def __init__(self, e: Entry, unit: Unit, bucket: Group, st: DedicatedState) -> None:
         self.e, self.unit, self.bucket, self.st = e, unit, bucket, st
         self.handle = new_handle(self).requires_grad_(e.param.requires_grad)
         e.handles.append(self.handle)
 
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.st.scheduler
-
-    def take(self, owes_grad: bool) -> Tensor:
-        """The value for the module about to run (forward)."""
-        return self.scheduler.value(self.e, self.unit, self.bucket if owes_grad else None)
+    def value(self) -> Tensor:
+        """The entry's full value (`e.shape`, `e.dtype`) for the module about to run; autograd
+        sums its gradient back."""
+        e = self.e
+        if not torch.compiler.is_compiling():
+            e.follow_requires_grad()
+            owes = torch.is_grad_enabled() and self.handle.requires_grad
+            return _Gather.apply(self.handle, self, owes)
+        shape = list(e.shape)
+        if self.st.reshard_after_forward:  # recomputed in backward instead of saved
+            return checkpoint(
+                _gather_op, self.handle, shape, e.dtype, e.device, use_reentrant=False
+            )
+        return _gather_op(self.handle, shape, e.dtype, e.device)
 
     def start(self) -> None:
         """dmuon::gather_start's runtime: the unit's gathers are issued (if not already)."""
-        self.scheduler.open_unit(self.unit)
+        self.st.scheduler.open_unit(self.unit)
 
     def gather(self) -> Tensor:
-        """dmuon::param_gather's runtime. A compiled Z3 block runs it again in backward (inside
-        the autograd engine): then it takes the unit's re-gathered copy."""
-        sched = self.scheduler
+        """dmuon::param_gather's runtime; run again in backward by a compiled Z3 block (inside
+        the autograd engine), it takes the unit's re-gathered copy."""
+        sched = self.st.scheduler
         if torch._C._current_graph_task_id() != -1:
             value = sched.regather(self.unit).value(self.e)
             sched.release(self.unit)
@@ -79,7 +74,7 @@ class Slot:
 
     def reduce(self, grad: Tensor) -> None:
         if self.e.param.requires_grad:  # frozen since the last step: every rank skips alike
-            self.scheduler.deposit(self.bucket, self.e, grad)
+            self.st.scheduler.deposit(self.bucket, self.e, grad)
 
 
 class _Gather(torch.autograd.Function):
@@ -88,7 +83,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle: Tensor, slot: Slot, owes_grad: bool) -> Tensor:
         ctx.slot = slot
-        return slot.take(owes_grad)
+        return slot.st.scheduler.value(slot.e, slot.unit, slot.bucket if owes_grad else None)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -98,20 +93,6 @@ class _Gather(torch.autograd.Function):
 
 def _gather_op(handle: Tensor, shape: list[int], dtype: torch.dtype, device: torch.device):
     return torch.ops.dmuon.param_gather(handle, shape, dtype, device)
-
-
-def gather(slot: Slot, st: DedicatedState) -> Tensor:
-    """The full value of the slot's entry for the module about to run; autograd sums its
-    gradient back."""
-    e = slot.e
-    if not torch.compiler.is_compiling():
-        e.follow_requires_grad()
-        owes = torch.is_grad_enabled() and slot.handle.requires_grad
-        return _Gather.apply(slot.handle, slot, owes)
-    shape = list(e.shape)
-    if st.reshard_after_forward:  # recomputed in backward instead of saved
-        return checkpoint(_gather_op, slot.handle, shape, e.dtype, e.device, use_reentrant=False)
-    return _gather_op(slot.handle, shape, e.dtype, e.device)
 
 
 class _Z3Saver:
@@ -127,8 +108,7 @@ class _Z3Saver:
         self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def enter(self, unit: Unit) -> None:
-        flight = self.st.scheduler.open_flight(unit)
-        for i, flat in enumerate(flight.flats):
+        for i, flat in enumerate(self.st.scheduler.open_unit(unit).flats):
             self.live[flat.untyped_storage().data_ptr()] = (unit, i, weakref.ref(flat))
         self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.ctx.__enter__()
@@ -175,7 +155,56 @@ _HANDLE = object()
 _DTENSOR = object()
 
 
-def install_hooks(
+def install(
+    model: nn.Module, st: DedicatedState, uses: dict[nn.Module, list[tuple[str, Entry]]], depth: int
+) -> None:
+    """`st.scheduler` and the hooks that run it, for `uses` (module -> its (attribute, entry)
+    pairs). Units: one per layer, keyed as the planner keys layers (else per module); buckets:
+    per module and owner; one slot per (module, attribute)."""
+    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    path = {m: f"{names[m]}.{pname}".lstrip(".") for m, s in uses.items() for pname, _ in s[:1]}
+    keys = layer_keys(path.values())
+    unit_key = {m: keys[path[m]] for m in uses}
+    units = {
+        u.key: u for u in make_units([(unit_key[m], e) for m, s in uses.items() for _, e in s])
+    }
+    buckets = {m: make_groups([e for _, e in s]) for m, s in uses.items()}
+    bucket_of = {(m, id(e)): b for m, bs in buckets.items() for b in bs for e in b.entries}
+    all_buckets = [b for bs in buckets.values() for b in bs]
+    st.scheduler = Scheduler(st, list(units.values()), all_buckets, depth)
+    slots = {
+        m: [(n, Slot(e, units[unit_key[m]], bucket_of[m, id(e)], st)) for n, e in s]
+        for m, s in uses.items()
+    }
+    handles: dict[str, list[Tensor]] = {}
+    for m, ss in slots.items():
+        handles.setdefault(unit_key[m], []).extend(slot.handle for _, slot in ss)
+    for m, ss in slots.items():
+        _module_hooks(m, ss, units[unit_key[m]], handles[unit_key[m]], st)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, unit in units.items():
+        holder = modules.get(key)
+        if holder is not None and holder not in uses:  # a block around the parameters' modules
+            # its unit's gathers issued before the modules inside run (compiled blocks issue
+            # them from the first parameter module's hook, inside the block's graph)
+            holder.register_forward_pre_hook(_eager(lambda u=unit: st.scheduler.open_unit(u)))
+    # the model's forward begins and ends a recorded order (a compiled root leaves the
+    # scheduler off its recorded order: every gather then issued when needed)
+    model.register_forward_pre_hook(_eager(lambda: st.scheduler.begin_forward()))
+    model.register_forward_hook(_eager(lambda: st.scheduler.end_forward()))
+
+
+def _eager(fn):
+    """A module hook that calls `fn()`, except while torch.compile traces."""
+
+    def hook(mod: nn.Module, *args):
+        if not torch.compiler.is_compiling():
+            fn()
+
+    return hook
+
+
+def _module_hooks(
     module: nn.Module,
     slots: list[tuple[str, Slot]],
     unit: Unit,
@@ -183,16 +212,10 @@ def install_hooks(
     st: DedicatedState,
 ) -> None:
     """Gather `slots` ((attribute name, slot) pairs, all of `unit`) around every forward of
-    `module`. Compiled, the hook first issues the whole unit's gathers (dmuon::gather_start
-    over `unit_handles`, every slot handle of the unit; a no-op at run time once they are
-    issued), so the first module of a compiled block issues them all before it computes.
-
-    The gathered value shadows the placeholder as an instance attribute (instance attributes
-    come before `_parameters` in attribute lookup), so `parameters()` and state dicts never
-    see it. The post-hook is not `always_call`: such hooks add a guard on their per-module
-    hook id to every compiled graph, one graph per block. After a forward that raised, the
-    next forward's pre-hook replaces the stale value and Z3's hooks.
-    """
+    `module`, as instance attributes shadowing the placeholders (`parameters()` and state dicts
+    never see them). Compiled, the first module of a block issues the whole unit's gathers
+    (dmuon::gather_start over `unit_handles`, every slot handle of the unit). After a forward
+    that raised, the next pre-hook replaces the stale values and Z3's hooks."""
     saver = _Z3Saver(st) if st.reshard_after_forward else None
 
     def pre(mod: nn.Module, args):
@@ -202,7 +225,7 @@ def install_hooks(
         if torch.compiler.is_compiling():
             torch.ops.dmuon.gather_start(unit_handles)
         for pname, slot in slots:
-            value = gather(slot, st)
+            value = slot.value()
             if slot.e.tp is not None:  # this tensor rank's part, as the DTensor the module had
                 value = slot.e.tp.to_module(value)
             object.__setattr__(mod, pname, value)
@@ -217,31 +240,3 @@ def install_hooks(
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
-
-
-def install_unit_hook(module: nn.Module, unit: Unit, st: DedicatedState) -> None:
-    """Issue `unit`'s gathers when `module` (the unit's own module: a block) starts, before the
-    parameters' modules inside it run (eager; compiled blocks issue them from the first
-    parameter module's hook, inside the block's graph)."""
-
-    def pre(mod: nn.Module, args):
-        if not torch.compiler.is_compiling():
-            st.scheduler.open_unit(unit)
-
-    module.register_forward_pre_hook(pre)
-
-
-def install_root_hooks(model: nn.Module, st: DedicatedState) -> None:
-    """The model's forward begins and ends a recorded order (eager; a compiled root leaves the
-    scheduler off its recorded order: every gather then issued when needed)."""
-
-    def pre(mod: nn.Module, args):
-        if not torch.compiler.is_compiling():
-            st.scheduler.begin_forward()
-
-    def post(mod: nn.Module, args, output):
-        if not torch.compiler.is_compiling():
-            st.scheduler.end_forward()
-
-    model.register_forward_pre_hook(pre)
-    model.register_forward_hook(post)

@@ -1,26 +1,23 @@
 """Tensor parallelism: how a dedicated parameter lies over the tensor-parallel ranks.
 
-A model prepared with `parallelize_module(model, mesh["tp"], ...)` (ColwiseParallel,
-RowwiseParallel, ...) holds DTensors over the 1-D tensor mesh: each of its T ranks keeps a shard
-(`Shard(d)`, torch.chunk's sizes, so shards may be uneven) or a whole copy (`Replicate()`).
-Parameters it left alone are plain tensors, replicated over the T ranks in effect: every tensor
-rank computes them alike from the same activations.
-
-`dedicate_params` dedicates each tensor rank's own part (its shard, or the whole value) over
-the data mesh, as it dedicates a plain parameter: the owner slot's tensor rank t holds part t,
-gathers it to the other data ranks of tensor column t, and receives its gradient. The module
-computes with `TensorLayout.to_module(part)`: the DTensor it held before (a plain tensor stays
-plain). Muon orthogonalizes each matrix once in the job: on the tensor rank `root` of its owner
-slot, with the parts gathered there and the update's parts sent back (dmuon_fn/tp/_exchange.py).
+A model prepared with `parallelize_module(model, mesh["tp"], ...)` holds DTensors over the 1-D
+tensor mesh of T ranks: each keeps a shard (`Shard(d)`, torch.chunk's sizes, possibly uneven)
+or a whole copy (`Replicate()`); plain parameters are whole copies in effect. `dedicate_params`
+dedicates each tensor rank's own part over the data mesh, as a plain parameter (tensor rank t
+of the owner slot holds part t); the module computes with `TensorLayout.to_module(part)`, the
+DTensor it held before. Each matrix is orthogonalized once in the job, on the tensor rank
+`root` of its owner slot (dmuon_fn/tp/_transfer.py; proofs/tensor_parallel.md).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -35,9 +32,6 @@ class TensorMesh:
     group: dist.ProcessGroup
     rank: int
     size: int
-
-    def global_rank(self, tensor_rank: int) -> int:
-        return dist.get_global_rank(self.group, tensor_rank)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,16 +81,8 @@ class TensorLayout:
             placements,
             run_check=False,
             shape=self.full_shape,
-            stride=_contiguous_stride(self.full_shape),
+            stride=make_contiguous_strides_for(self.full_shape),
         )
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
 
 
 def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
@@ -136,12 +122,9 @@ def check_crossing(tensor: DeviceMesh, data: list[DeviceMesh]) -> None:
     one mesh over the world: their groups cross in exactly this rank and their sizes multiply
     to the world size."""
     ranks = [set(m.mesh.flatten().tolist()) for m in (tensor, *data)]
-    size = 1
-    for r in ranks:
-        size *= len(r)
     me = dist.get_rank()
     crossing = all(a & b == {me} for i, a in enumerate(ranks) for b in ranks[i + 1 :])
-    if size != dist.get_world_size() or not crossing:
+    if math.prod(len(r) for r in ranks) != dist.get_world_size() or not crossing:
         raise ValueError(
             f"the tensor-parallel mesh {tensor} and the data mesh(es) {data} are not the dims of "
             "one mesh over the world: build init_device_mesh(dev, (dp, tp), mesh_dim_names="
@@ -157,11 +140,6 @@ def layout_name(p: torch.Tensor) -> str:
         return PLAIN
     (pl,) = p.placements
     return f"Shard({pl.dim % p.ndim})" if isinstance(pl, Shard) else "Replicate()"
-
-
-def part_of(p: torch.Tensor) -> torch.Tensor:
-    """This tensor rank's part of a parameter (a DTensor's local shard, else the tensor)."""
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:

@@ -154,7 +154,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "dedicated gradients summed instead of averaged over data ranks",
-        "dmuon_fn/dedicated/_schedule.py",
+        "dmuon_fn/dedicated/_reduce.py",
         "grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)",
         "grad = g.part(r.flat, i).to(e.param.dtype)",
         (DIST2,),
@@ -176,8 +176,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "HSDP publish lost on the receiving replica",
         "dmuon_fn/dedicated/_state.py",
-        "buf = p.detach().to(e.dtype)",
-        "buf = p.detach().to(e.dtype, copy=True)",
+        "buf = e.param.detach().to(e.dtype)",
+        "buf = e.param.detach().to(e.dtype, copy=True)",
         (DIST4,),
     ),
     Fault(
@@ -222,9 +222,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "a plan that gives one matrix two owners",
         "dmuon_fn/dedicated/_entries.py",
-        "return self.shard_rank == e.owner_shard and self.replica_rank == e.owner_replica",
-        "return (self.shard_rank == e.owner_shard or 'gate_proj' in e.name)"
-        " and self.replica_rank == e.owner_replica",
+        "return self.view.is_global_owner(e.name)",
+        "return self.view.is_global_owner(e.name) or ('gate_proj' in e.name"
+        " and self.view.replica_rank == e.owner_replica)",
         (DIST2,),
     ),
     Fault(
@@ -236,7 +236,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "gradient accumulation keeps only the last micro-batch",
-        "dmuon_fn/dedicated/_schedule.py",
+        "dmuon_fn/dedicated/_reduce.py",
         "e.param.grad += grad",
         "e.param.grad = grad",
         (TRAIN + "::test_accumulation_equals_one_big_batch",),
@@ -251,15 +251,15 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "Z3 prefetch depth ignored (nothing gathered ahead)",
         "dmuon_fn/dedicated/_schedule.py",
-        "        self.topo, self.units, self.depth = topo, list(units), depth",
-        "        self.topo, self.units, self.depth = topo, list(units), 0",
+        "        self.depth = depth",
+        "        self.depth = 0",
         (PREFETCH_DEPTH,),
     ),
     Fault(
         "Z3's backward re-gathers not prefetched",
-        "dmuon_fn/dedicated/_schedule.py",
-        "                for j in range(self.bpos, max(self.bpos - self.depth, -1), -1):",
-        "                for j in range(self.bpos, max(self.bpos, -1), -1):",
+        "dmuon_fn/dedicated/_units.py",
+        "stop = max(self.pos - self.depth, -1)",
+        "stop = max(self.pos, -1)",
         (PREFETCH_DEPTH,),
     ),
     Fault(

@@ -1,0 +1,129 @@
+"""The step's one exchange under tensor parallelism: each matrix orthogonalized once in the job.
+
+The T tensor ranks of a matrix's owner slot each hold a part of its Newton-Schulz input u (a
+shard, or a whole copy), computed elementwise from their parts of the gradient and momentum.
+Per matrix:
+
+    gather   every other tensor rank sends its part of u to the root (sharded matrices only:
+             the root of a whole copy has u already)
+    NS       the root orthogonalizes the whole u: O = orthogonalize(u), u's dtype and shape
+    scatter  the root sends each tensor rank its part of O (a whole copy: all of O)
+
+Transfers are point-to-point over dmuon_fn's own group of the tensor ranks, in two batches
+(every gather of the step, then every scatter), each in the plan's entry order on every rank;
+tags: TP_TAG + 2·index (gather), + 1 (scatter). Why this matches and cannot deadlock, and the
+bytes: proofs/tensor_parallel.md claims 7 and 8.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm._counters import blocked
+from ..comm._errors import phase
+from ..ns._orthogonalize import NSConfig, orthogonalize_with
+from ._layout import TensorLayout
+
+TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its scatter
+
+
+class Split(Protocol):
+    """A matrix split over the tensor ranks (dedicated/_entries.Entry): its layout."""
+
+    tp: TensorLayout
+
+
+class TensorExchange:
+    """One step's exchange (module docstring): `post` every matrix, `orthogonalize` (the gather,
+    the roots' Newton-Schulz, the scatter issued), then `result` per matrix."""
+
+    def __init__(self, ns: NSConfig) -> None:
+        self.ns = ns
+        self.ns_calls = 0
+        self._posted: list[tuple[Split, int, Tensor]] = []
+        self._out: dict[int, Tensor] = {}
+        self._scatter: list[dist.Work] = []
+
+    def post(self, e: Split, index: int, u: Tensor) -> None:
+        """This rank's part `u` (shape `e.tp.part_shape(rank)`) of `e`'s Newton-Schulz input (a
+        temporary: the root may overwrite it); `index`: `e`'s place in the plan, the same on
+        every rank."""
+        self._posted.append((e, index, u))
+
+    def orthogonalize(self) -> None:
+        """Gather every split matrix's parts of u to its root (one batch), orthogonalize each
+        matrix this rank is the root of, and issue the scatter of O's parts (one batch)."""
+        ops, received = [], {}
+        for e, index, u in self._posted:
+            lay, tp = e.tp, e.tp.tp
+            if not lay.sharded:
+                continue
+            if tp.rank == lay.root:
+                received[id(e)] = bufs = {
+                    t: u.new_empty(lay.part_shape(t)) for t in range(tp.size) if t != tp.rank
+                }
+                ops += [_op(dist.irecv, b, tp, t, TP_TAG + 2 * index) for t, b in bufs.items()]
+            else:
+                ops.append(_op(dist.isend, u.contiguous(), tp, lay.root, TP_TAG + 2 * index))
+        for work in _batch(ops, "gather"):
+            _wait(work, "gather")
+        ops = []
+        for e, index, u in self._posted:
+            lay, tp = e.tp, e.tp.tp
+            tag = TP_TAG + 2 * index + 1
+            if tp.rank != lay.root:
+                buf = u.new_empty(lay.part_shape(tp.rank))  # orthogonalize keeps u's dtype
+                ops.append(_op(dist.irecv, buf, tp, lay.root, tag))
+                self._out[id(e)] = buf
+                continue
+            whole = u
+            if lay.sharded:
+                parts = received.pop(id(e)) | {tp.rank: u}
+                whole = torch.cat([parts[t] for t in range(tp.size)], dim=lay.dim)
+            O = orthogonalize_with(whole.reshape(whole.shape[0], -1), self.ns, overwrite=True)
+            O = O.reshape(lay.full_shape).contiguous()  # (a tall matrix's O is transposed)
+            self.ns_calls += 1
+            others = [t for t in range(tp.size) if t != tp.rank]
+            ops += [_op(dist.isend, _part(O, lay, t), tp, t, tag) for t in others]
+            self._out[id(e)] = _part(O, lay, tp.rank)
+        self._scatter = _batch(ops, "scatter")
+
+    def result(self, e: Split) -> Tensor:
+        """This rank's part of `e`'s orthogonalized update (the caller may overwrite it: the
+        scatter, which may read the root's part, has landed)."""
+        self.finish()
+        return self._out.pop(id(e))
+
+    def finish(self) -> None:
+        """Wait for the scatter, so no transfer outlives the step."""
+        for work in self._scatter:
+            _wait(work, "scatter")
+        self._scatter = []
+
+
+def _part(O: Tensor, lay: TensorLayout, t: int) -> Tensor:
+    """Tensor rank t's part of the whole `O` (contiguous)."""
+    if not lay.sharded:
+        return O
+    return O.narrow(lay.dim, lay.offset(t), lay.sizes[t]).contiguous()
+
+
+def _op(fn, t: Tensor, tp, peer: int, tag: int) -> dist.P2POp:
+    return dist.P2POp(fn, t, group=tp.group, tag=tag, group_peer=peer)
+
+
+def _batch(ops: list[dist.P2POp], what: str) -> list[dist.Work]:
+    """One batch of transfers (NCCL: one group)."""
+    if not ops:
+        return []
+    with phase(f"step (tensor-parallel {what})"):
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(work: dist.Work, what: str) -> None:
+    with blocked(), phase(f"step (tensor-parallel {what})"):
+        work.wait()
