@@ -76,17 +76,6 @@ def _held(p: torch.Tensor, name: str, fn_plan: FnPlan) -> torch.Tensor:
     return p.to(dt, copy=True) if fn_plan.is_local_owner(name) else p.new_empty(0, dtype=dt)
 
 
-def gather_all(params: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
-    """Every parameter in full on every rank of its shard group, in one call (name order)."""
-    return _gather(params, fn_plan.names, fn_plan)[0]
-
-
-def reduce_all(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> dict[str, torch.Tensor]:
-    """Full-shape gradients -> the data-parallel mean on each global owner, zeros shaped like
-    the local slot elsewhere, in one call."""
-    return _reduce(grads, fn_plan.names, fn_plan)[0]
-
-
 def value_and_grad(
     loss_fn: Callable[[dict[str, torch.Tensor], Any], torch.Tensor] | Sequence[Stage],
     fn_plan: FnPlan,
@@ -96,10 +85,9 @@ def value_and_grad(
     """(params, batch) -> (this rank's loss, grads): loss_fn sees full parameters; each grad is
     the data-parallel mean on the parameter's global owner, zeros shaped like the slot elsewhere.
 
-    loss_fn(params, batch) -> loss (Z2-like): the gather runs before and the reduce after the
-    differentiated function, each as one op over every parameter: a graph scheduler may reorder
-    independent nodes differently on ranks whose graphs differ (owners and non-owners), which
-    would mismatch per-parameter collectives. Every gathered parameter lives for the whole step.
+    loss_fn(params, batch) -> loss (Z2-like): one gather of every parameter before the
+    differentiated function and one reduce after it (every gathered parameter lives for the whole
+    step; proofs/step_notes.md).
 
     A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None for the first
     stage, the loss from the last), runs Z3: each stage's parameters are gathered for its
@@ -112,9 +100,9 @@ def value_and_grad(
         return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
-        full = gather_all(params, fn_plan)
+        full = _gather(params, fn_plan.names, fn_plan)[0]
         grads, loss = torch.func.grad_and_value(lambda f: loss_fn(f, batch))(full)
-        return loss, reduce_all(grads, fn_plan)
+        return loss, _reduce(grads, fn_plan.names, fn_plan)[0]
 
     return run
 
@@ -207,4 +195,4 @@ def _global_sq(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
 def full_params(state: State) -> dict[str, torch.Tensor]:
     """Every parameter's full value on every rank (for checks and export; one broadcast each)."""
     with torch.no_grad():
-        return gather_all(state.params, state.plan)
+        return _gather(state.params, state.plan.names, state.plan)[0]

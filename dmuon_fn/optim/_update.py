@@ -207,23 +207,7 @@ def param_update(
     """One parameter's step, by its param group's `kind` and hyperparameters (`group`, keyed as
     `Config.groups()` names them; lr and weight_decay may be 0-d tensors). Both faces' step."""
     if kind == "muon":
-        return muon_update(
-            param,
-            grad,
-            state,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            adjust_lr=adjust_lr,
-            ns=ns,
-        )
-    return adamw_update(
-        param,
-        grad,
-        state,
-        lr=group["lr"],
-        betas=group["betas"],
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-    )
+        hyper = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov")}
+        return muon_update(param, grad, state, **hyper, adjust_lr=adjust_lr, ns=ns)
+    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    return adamw_update(param, grad, state, **hyper)

@@ -73,8 +73,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "functional momentum ignored (the default 0.95 used)",
         "dmuon_fn/optim/_update.py",
-        'momentum=group["momentum"],',
-        "momentum=0.95,",
+        '("lr", "weight_decay", "momentum", "nesterov")',
+        '("lr", "weight_decay", "nesterov")',
         (CONFORM, FN1),
     ),
     Fault(
@@ -87,8 +87,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "functional Nesterov ignored (always on)",
         "dmuon_fn/optim/_update.py",
-        'nesterov=group["nesterov"],',
-        "nesterov=True,",
+        '("lr", "weight_decay", "momentum", "nesterov")',
+        '("lr", "weight_decay", "momentum")',
         (CONFORM, FN1),
     ),
     Fault(
@@ -108,8 +108,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "functional AdamW betas and eps ignored",
         "dmuon_fn/optim/_update.py",
-        'betas=group["betas"],\n        eps=group["eps"],',
-        "betas=(0.9, 0.999),\n        eps=1e-8,",
+        '("lr", "betas", "eps", "weight_decay")',
+        '("lr", "weight_decay")',
         (CONFORM, FN1),
     ),
     Fault(
