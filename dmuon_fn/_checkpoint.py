@@ -54,7 +54,7 @@ def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
         g["kind"]: {k: v for k, v in g.items() if k not in ("params", "kind")}
         for g in optimizer.param_groups
     }
-    _save(path, sd | _group_entries(hyper))
+    _dcp(dcp.save, path, sd | _group_entries(hyper))
 
 
 def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
@@ -71,7 +71,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     groups = {g["kind"]: g for g in optimizer.param_groups}
     keys = _group_keys(md, groups, known_only=False)
     sd.update({k: groups[kind].get(name) for k, (kind, name) in keys.items()})
-    _load(path, sd)
+    _dcp(dcp.load, path, sd)
     for k, (kind, name) in keys.items():
         groups[kind][name] = sd[k]
 
@@ -94,7 +94,7 @@ def save_state(
     )
     hyper = state.config.groups(**{k: None if v is None else float(v) for k, v in given.items()})
     sd, _ = _state_keys(state, load=False)
-    _save(path, sd | _group_entries({kind: hyper[kind] for kind in _kinds(state)}))
+    _dcp(dcp.save, path, sd | _group_entries({kind: hyper[kind] for kind in _kinds(state)}))
 
 
 def load_state(path: PathLike, state: State) -> State:
@@ -116,7 +116,7 @@ def load_state(path: PathLike, state: State) -> State:
     hyper = state.config.groups()
     keys = _group_keys(md, {kind: hyper[kind] for kind in _kinds(state)}, known_only=True)
     sd.update({k: hyper[kind][name] for k, (kind, name) in keys.items()})
-    _load(path, sd)
+    _dcp(dcp.load, path, sd)
     loaded: dict[str, dict[str, Any]] = {}
     for k, (kind, name) in keys.items():
         loaded.setdefault(kind, {})[name] = sd[k]
@@ -200,11 +200,10 @@ def _part(e, t: torch.Tensor) -> torch.Tensor:
 
 
 def _with_counters(sd, shapes, skipped: torch.Tensor, norm: torch.Tensor) -> Keys:
-    """The guard's 0-d counters, the same on every rank (read-only for the step's arithmetic,
-    kept so that a resumed run reports what an uninterrupted one would)."""
+    """With the guard's 0-d counters, the same on every rank (kept so that a resumed run reports
+    what an uninterrupted one would)."""
     sd.update({"optim.skipped_steps": skipped, "optim.grad_norm": norm})
-    shapes.update({"optim.skipped_steps": (), "optim.grad_norm": ()})
-    return sd, shapes
+    return sd, shapes | {"optim.skipped_steps": (), "optim.grad_norm": ()}
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -267,12 +266,9 @@ def _why(key: str, saved: dict[str, tuple]) -> str:
         name = key[len("optim.") :].rsplit(".", 1)[0]
         if f"model.{name}" in saved:
             kinds = {k: t.__name__[: -len("State")] for t, ks in STATE_KEYS.items() for k in ks}
+            mine = f"optim.{name}."
             theirs = sorted(
-                {
-                    kinds.get(k.rsplit(".", 1)[1], "?")
-                    for k in saved
-                    if k.startswith(f"optim.{name}.")
-                }
+                {kinds.get(k.rsplit(".", 1)[1], "?") for k in saved if k.startswith(mine)}
             )
             return (
                 f"{name} was saved with {'/'.join(theirs)} state, this run gives it "
@@ -282,17 +278,8 @@ def _why(key: str, saved: dict[str, tuple]) -> str:
     return "it was saved from a model with other parameter names (or another optimizer)"
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _save(path: PathLike, sd: dict[str, Any]) -> None:
+def _dcp(fn, path: PathLike, sd: dict[str, Any]) -> None:
+    """dcp.save or dcp.load; without a process group (one process) where none is initialized."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(sd, checkpoint_id=path, no_dist=not _distributed())
-
-
-def _load(path: PathLike, sd: dict[str, Any]) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=path, no_dist=not _distributed())
+        fn(sd, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))

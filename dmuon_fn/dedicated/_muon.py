@@ -31,16 +31,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
-from ..optim._update import KINDS, muon_apply, param_update, state_from, state_items
+from ..optim._update import KINDS, init_state, muon_apply, param_update, state_from, state_items
 from ..tp._exchange import TensorExchange
 from . import _fsdp_adapter as fsdp
-from ._muon_setup import check_gather_in_step, param_groups, placeholder_state, steps_here
-from ._muon_step import GradGuard, NextForward, exchange_momenta
+from ._muon_step import GradGuard, NextForward, exchange_momenta, steps_here, updates_here
 from ._state import DedicatedState, dedicated_state
 
 
@@ -110,22 +110,11 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 self.state[p] = placeholder_state(st, group["kind"], p, state_dtype)
         self.guard = GradGuard(model, st, self.config, self.param_groups)
+        self.ns = self.config.ns
+        # the guard's counters (GradGuard), updated in place: read them when logging (syncs)
+        self.skipped_steps, self.grad_norm = self.guard.skipped_steps, self.guard.grad_norm
         kinds = repr([(g["kind"], len(g["params"])) for g in self.param_groups])
         self.config.check_setup(st.entries[0].param.device, **{"param groups": kinds})
-
-    @property
-    def ns(self) -> NSConfig:
-        return self.config.ns
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        """Steps skipped for a non-finite gradient (int64, 0-d, on device: reading syncs)."""
-        return self.guard.skipped_steps
-
-    @property
-    def grad_norm(self) -> torch.Tensor:
-        """The last step's global gradient norm before clipping (float32, 0-d, on device)."""
-        return self.guard.grad_norm
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -236,3 +225,64 @@ class Muon(torch.optim.Optimizer):
         self.st.scheduler.wait_ahead()
         for e in self.st.entries:
             self.st.wait_publish(e)
+
+
+def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[dict[str, Any]]:
+    """The torch.optim param groups: "muon" (dedicated matrices) and "adamw" (the rest), each
+    with its hyperparameters from `config.groups()`; a group only where it has parameters."""
+    muon, adamw = [], []
+    for p in model.parameters():
+        e = st.entry(p)
+        (muon if e is not None and e.is_matrix else adamw).append(p)
+    _check_synchronized(model, st, adamw)
+    hyper = config.groups()
+    kinds = (("muon", muon), ("adamw", adamw))
+    return [dict(params=ps, kind=kind, **hyper[kind]) for kind, ps in kinds if ps]
+
+
+def _check_synchronized(model: nn.Module, st: DedicatedState, adamw: list[torch.Tensor]) -> None:
+    """Every parameter's gradient must be synchronized: dedicated, or sharded by fully_shard."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    # a DTensor that fully_shard does not manage is tensor-parallel: fine where the data mesh
+    # has one rank, never synchronized over a larger one
+    managed, data_parallel = fsdp.managed_params(model), st.shard_size * st.replicate_size
+    names = {id(p): n for n, p in model.named_parameters()}
+    loose = [
+        names[id(p)]
+        for p in adamw
+        if st.entry(p) is None
+        and id(p) not in managed
+        and (data_parallel > 1 or not fsdp.is_dtensor(p))
+    ]
+    if loose:
+        raise ValueError(
+            f"{loose[:3]}{'...' if len(loose) > 3 else ''} are neither dedicated nor "
+            "sharded by fully_shard, so their gradients are never synchronized: call "
+            "fully_shard on the model (over the data mesh) after dedicate_params, or "
+            "dedicate_params(..., pure=True)"
+        )
+
+
+def check_gather_in_step(st: DedicatedState, gather_in_step: bool) -> None:
+    if gather_in_step and st.replicate_group is not None:
+        raise ValueError(
+            "gather_in_step=True runs on a 1-D mesh; under HSDP each step's publish already "
+            "moves the new values in the background (replicate_async)"
+        )
+    if gather_in_step and st.scheduler.depth < 1:
+        raise ValueError(
+            "gather_in_step=True needs dedicate_params(..., prefetch >= 1): with prefetch 0 "
+            "every gather blocks where it is issued"
+        )
+
+
+def placeholder_state(
+    st: DedicatedState, kind: str, p: torch.Tensor, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """`p`'s zero state in `dtype` (None: p's), 0-size where this rank does not update `p`, so
+    every rank's `state_dict()` has the same keys; the step count lives on p's device, so a
+    masked (skipped) step never syncs."""
+    dt = dtype or p.dtype
+    like = p if updates_here(st, p) else torch.empty(0, dtype=dt, device=p.device)
+    return state_items(init_state(kind, like, dt))

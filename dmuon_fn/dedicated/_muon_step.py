@@ -16,10 +16,27 @@ from ..optim._config import Config
 from ..optim._update import MuonState, muon_momentum, state_from, state_items
 from ..tp._exchange import TensorExchange
 from . import _fsdp_adapter as fsdp
-from ._muon_setup import steps_here
 from ._state import DedicatedState
 
 Item = tuple[dict[str, Any], torch.Tensor]  # (param group, parameter)
+
+
+def updates_here(st: DedicatedState, p: torch.Tensor) -> bool:
+    """Whether this rank updates `p` at all: a dedicated parameter's global owner; every rank
+    for the rest (FSDP2 shards, plain parameters)."""
+    e = st.entry(p)
+    return e is None or st.is_global_owner(e)
+
+
+def steps_here(st: DedicatedState, p: torch.Tensor) -> bool:
+    """Whether this step updates `p` on this rank."""
+    if p.grad is None or not updates_here(st, p):
+        return False
+    e = st.entry(p)
+    # a dedicated parameter no gradient reached this step (a stale grad kept by
+    # zero_grad(set_to_none=False)) is skipped on every rank alike, as the publish does, so
+    # replicas never drift apart
+    return e is None or e.touched
 
 
 class GradGuard:

@@ -85,7 +85,7 @@ def _by_name(names, outs, token):
 def _gather(params, names, fn_plan, token=None, after=None, start=False):
     """Parameters `names` in full on every rank of the shard group, in one op; with a token the
     op also consumes it and returns the next one (None without). start: the op only issues the
-    gathers and returns their ticket (`_wait` redeems it)."""
+    gathers and returns their ticket (dmuon::collective_wait redeems it)."""
     rows = [fn_plan.shape(n) for n in names]
     shapes, ndims, routes, extra = _entries(rows, names, fn_plan, token)
     op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
@@ -155,7 +155,7 @@ class _Overlapped:
     """prefetch=1: every gather and reduce started ahead, each start taking the previous start's
     ticket (one chain on every rank) and each reduce's wait the previous wait's results."""
 
-    def __init__(self, params, fn_plan: FnPlan, stages) -> None:
+    def __init__(self, params, fn_plan: FnPlan) -> None:
         self.params, self.plan = params, fn_plan
         self.chain = params[fn_plan.names[0]].new_zeros(0)
         self.landed: list[torch.Tensor] = []
@@ -200,7 +200,7 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
         raise ValueError(f"prefetch must be 0 or 1 (one stage ahead), got {prefetch!r}")
 
     def run(params: dict[str, torch.Tensor], batch: Any):
-        ops = _Overlapped(params, fn_plan, stages) if prefetch else _Blocking(params, fn_plan)
+        ops = (_Overlapped if prefetch else _Blocking)(params, fn_plan)
         xs, x, last = [], None, len(stages) - 1
         handle = ops.start_gather(stages[0][0])
         for i, (_, fn) in enumerate(stages):

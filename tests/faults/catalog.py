@@ -163,7 +163,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "one matrix's update made on a non-owner, and lost",
-        "dmuon_fn/dedicated/_muon_setup.py",
+        "dmuon_fn/dedicated/_muon_step.py",
         "return e is None or st.is_global_owner(e)",
         "return e is None or st.is_global_owner(e) != (e is st.entries[0])",
         (DIST2,),
