@@ -22,6 +22,7 @@ their own dtype (the compute dtype, as the publish sends it); FSDP2 DTensors the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -92,7 +93,9 @@ def save_state(
     given = dict(
         lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay
     )
-    hyper = state.config.groups(**{k: None if v is None else float(v) for k, v in given.items()})
+    # the values the run used, validated as a Config's (adamw_lr None: lr)
+    used = {k: float(v) for k, v in given.items() if v is not None}
+    hyper = dataclasses.replace(state.config, **used).groups()
     sd, _ = _state_keys(state, load=False)
     _dcp(dcp.save, path, sd | _group_entries({kind: hyper[kind] for kind in _kinds(state)}))
 
