@@ -1,23 +1,15 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both APIs.
 
 A checkpoint saved by either face loads into the other (same model, same predicate), on any
-world size or mesh shape. Every rank writes only what it holds; nothing is gathered. The keys
-(each one's writer and reader: proofs/checkpoint.md):
-- `model.<name>`: a dedicated parameter's master, in its global owner's dict only (under tensor
-  parallelism each tensor rank's part, as a DTensor shard of the whole); an FSDP2 parameter as
-  its DTensor, a plain parameter or buffer, on every rank (DCP writes each value once). Tied
-  parameters under their first name.
-- `optim.<name>.<key>`: a parameter's optimizer state on the rank(s) that update it. Keys: Muon
-  `momentum_buffer`; AdamW `step` (0-d float32), `exp_avg`, `exp_avg_sq` (`_update.STATE_KEYS`).
-- `optim.param_groups.<kind>.<hyper>` on every rank, for each kind that has parameters:
-  `muon`: lr, momentum, weight_decay, nesterov; `adamw`: lr, betas, eps, weight_decay (the
-  object API's param groups; the functional `Config.groups()`).
-- `optim.skipped_steps` (int64), `optim.grad_norm` (float32): the gradient guard's 0-d counters.
-
-Load reads the saved metadata on every rank (no collective), checks names and full shapes, then
-each rank requests only what it holds under the NEW plan: the new global owner the value and
-its optimizer state; under HSDP the other replicas' local owners the value too, cast on copy to
-their own dtype (the compute dtype, as the publish sends it); FSDP2 DTensors their new shards.
+world size or mesh shape. Every rank writes only what it holds (nothing is gathered) under keys
+`model.<name>` (a dedicated parameter's master in its global owner's dict only; FSDP2 DTensors,
+plain parameters and buffers on every rank), `optim.<name>.<key>` (the state on the rank(s) that
+update it: `_update.STATE_KEYS`), `optim.param_groups.<kind>.<hyper>` (`Config.groups()`'s names)
+and `optim.skipped_steps`, `optim.grad_norm` (the guard's counters); who writes and reads each,
+and why every value is written once: proofs/checkpoint.md. Load reads the saved metadata (no
+collective), checks names and full shapes, then each rank requests only what it holds under the
+NEW plan: the global owner the value and its state, HSDP's other local owners the value (cast on
+copy to their compute dtype), FSDP2 DTensors their new shards.
 """
 
 from __future__ import annotations

@@ -3,26 +3,20 @@
 
 Param groups (usable with torch.optim.lr_scheduler; hyperparameters from `Config.groups()`):
 - "muon": dedicated matrices, each updated by its global owner alone from the gradient reduced
-  during backward. Under HSDP the new values are published to the other replicas at the end of
-  `step()` (in the background with `replicate_async`); under tensor parallelism every tensor rank
-  of the owner updates its part (`_muon_step.exchange_momenta`).
+  during backward; under HSDP the new values are then published to the other replicas (in the
+  background with `replicate_async`); under tensor parallelism every tensor rank of the owner
+  updates its part (`_muon_step.exchange_momenta`).
 - "adamw": everything else: FSDP2 shards (DTensor, updated shard-locally), dedicated
   non-matrices (updated by their owner), and plain parameters on a world of one.
 Every rank holds a state entry with the same keys for every parameter (0-size placeholders where
-it does not update it), so `state_dict()` has identical key sets on all ranks. The state is per
-rank: save and load every rank's `state_dict()` (not rank 0's alone).
+it does not update it). The state is per rank: save and load every rank's `state_dict()`.
 
 gather_in_step=True (1-D meshes, prefetch >= 1): the step also issues the next forward's gathers
-(Z2: every recorded unit; Z3: the first `prefetch`), each unit's once this rank has updated its
-parameters of it. Contract: dedicated parameters do not change between `step()` and the next
-forward (`dmuon_fn.load_checkpoint` drops the gathers first; an owner that sees its parameter
+(`_muon_step.NextForward`). Contract: dedicated parameters do not change between `step()` and the
+next forward (`dmuon_fn.load_checkpoint` drops the gathers first; an owner that sees its parameter
 changed raises at the next forward), and the root forward runs eagerly (proofs/step_notes.md).
-
-Each step first runs the gradient guard (`_muon_step.GradGuard`, proofs/guard.md): with
-`max_grad_norm` the gradients are clipped by the global norm; nonfinite="skip" (default): a
-non-finite gradient anywhere leaves every parameter and all optimizer state untouched on every
-rank (masked on device, no host sync); "raise" raises instead (one host sync); "ignore" takes no
-norm (and runs no collective unless clipping).
+Each step first runs the gradient guard (`_muon_step.GradGuard`; `Config`'s max_grad_norm and
+nonfinite, proofs/guard.md).
 """
 
 from __future__ import annotations

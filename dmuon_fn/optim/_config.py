@@ -18,20 +18,9 @@ from ._guard import NONFINITE, check_max_norm
 
 # Each param-group kind's keys, as the Config fields they come from.
 GROUP_FIELDS: dict[str, dict[str, str]] = {
-    "muon": {
-        "lr": "lr",
-        "momentum": "momentum",
-        "weight_decay": "weight_decay",
-        "nesterov": "nesterov",
-    },
-    "adamw": {
-        "lr": "adamw_lr",
-        "betas": "adamw_betas",
-        "eps": "adamw_eps",
-        "weight_decay": "adamw_weight_decay",
-    },
+    "muon": {k: k for k in ("lr", "momentum", "weight_decay", "nesterov")},
+    "adamw": {k: f"adamw_{k}" for k in ("lr", "betas", "eps", "weight_decay")},
 }
-
 _NON_NEGATIVE = ("lr", "adamw_lr", "momentum", "weight_decay", "adamw_eps", "adamw_weight_decay")
 
 
@@ -41,9 +30,10 @@ class Config:
     `update`'s per-step arguments (pass them there as tensors to schedule without recompiling).
 
     nonfinite: "skip" (a non-finite gradient anywhere leaves every parameter and all state
-    unchanged, on device), "ignore", or "raise" (one host sync; only where the step may sync:
-    `host_sync=True`, as `Muon` builds its Config). max_grad_norm: clip every gradient by the
-    global norm (None: no clipping). state_dtype None: the parameter's dtype.
+    unchanged on every rank, masked on device, no host sync), "ignore" (no norm is taken unless
+    clipping), or "raise" (one host sync; only where the step may sync: `host_sync=True`, as
+    `Muon` builds its Config). max_grad_norm: clip every gradient by the global norm (None: no
+    clipping). state_dtype None: the parameter's dtype.
     """
 
     momentum: float = 0.95
