@@ -11,20 +11,12 @@ from .dedicated._dedicate import (
     wait_gradients,
 )
 from .dedicated._muon import Muon
-from .functional._step import (
-    Config,
-    FnPlan,
-    State,
-    full_params,
-    global_grad_norm,
-    init,
-    plan,
-    update,
-    value_and_grad,
-)
+from .functional._plan import FnPlan, plan
+from .functional._step import State, full_params, global_grad_norm, init, update, value_and_grad
 from .ns._backend import get_ns_backend
 from .ns._coefficients import PRESETS
 from .ns._orthogonalize import NSConfig, orthogonalize
+from .optim._config import Config
 from .optim._update import (
     AdamWState,
     MuonState,

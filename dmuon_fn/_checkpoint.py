@@ -1,30 +1,15 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both APIs.
 
 A checkpoint saved by either face loads into the other (same model, same predicate), on any
-world size or mesh shape. Every rank writes only what it holds; nothing is gathered. The keys:
-- `model.<name>`: a dedicated parameter, ONLY in its global owner's dict (its master: the object
-  API's fp32 master, the functional API's `State.params` value), so it is written exactly once;
-  an FSDP2 parameter as its DTensor on every rank (DCP writes each shard once, deduplicating
-  HSDP replicas); a plain parameter or buffer (replicated) on every rank, written once by DCP's
-  dedup. Tied parameters under their first name. Under tensor parallelism each tensor rank of
-  the global owner slot writes its part, keyed as a DTensor shard of the whole (a whole copy as
-  the plain tensor, written once), so a checkpoint loads at any tensor-parallel degree.
-- `optim.<name>.<key>`: the optimizer state of a parameter on the rank(s) that update it: the
-  global owner of a dedicated parameter, every rank for FSDP2 shards (DTensor moments, a
-  replicated 0-d step). Keys: Muon `momentum_buffer`; AdamW `step` (0-d float32), `exp_avg`,
-  `exp_avg_sq` (`_update.STATE_KEYS`: the functional `MuonState.momentum` is `momentum_buffer`).
-- `optim.param_groups.<kind>.<hyper>` on every rank, for each kind that has parameters:
-  `muon`: lr, momentum, weight_decay, nesterov; `adamw`: lr, betas, eps, weight_decay (`HYPER`:
-  the object API's param groups, the functional `Config`'s fields).
-- `optim.skipped_steps` (int64), `optim.grad_norm` (float32): the gradient guard's 0-d counters.
-
-Load reads the saved metadata on every rank (no collective), checks names and full shapes, then
-each rank requests only what it holds under the NEW plan: the new global owner the value and
-its optimizer state; under HSDP the other replicas' local owners the value too, cast on copy to
-their own dtype (the compute dtype, as the publish sends it); FSDP2 DTensors their new shards.
-DCP's default load plan is the identity on each rank's local requests, so ranks may ask for
-different keys. The plan is a pure function of shapes and mesh, so a new world size or mesh
-shape needs nothing beyond this: the fresh model's owners are already the new ones.
+world size or mesh shape. Every rank writes only what it holds (nothing is gathered) under keys
+`model.<name>` (a dedicated parameter's master in its global owner's dict only; FSDP2 DTensors,
+plain parameters and buffers on every rank), `optim.<name>.<key>` (the state on the rank(s) that
+update it: `_update.STATE_KEYS`), `optim.param_groups.<kind>.<hyper>` (`Config.groups()`'s names)
+and `optim.skipped_steps`, `optim.grad_norm` (the guard's counters); who writes and reads each,
+and why every value is written once: proofs/checkpoint.md. Load reads the saved metadata (no
+collective), checks names and full shapes, then each rank requests only what it holds under the
+NEW plan: the global owner the value and its state, HSDP's other local owners the value (cast on
+copy to their compute dtype), FSDP2 DTensors their new shards.
 """
 
 from __future__ import annotations
@@ -47,23 +32,7 @@ from .optim._guard import counters
 from .optim._update import STATE_KEYS, state_items
 
 PathLike = str | os.PathLike
-
-# Param-group hyperparameters per kind: {checkpoint key: functional Config field}. The object
-# API's param groups use the keys themselves.
-HYPER = {
-    "muon": {
-        "lr": "lr",
-        "momentum": "momentum",
-        "weight_decay": "weight_decay",
-        "nesterov": "nesterov",
-    },
-    "adamw": {
-        "lr": "adamw_lr",
-        "betas": "adamw_betas",
-        "eps": "adamw_eps",
-        "weight_decay": "adamw_weight_decay",
-    },
-}
+Keys = tuple[dict[str, Any], dict[str, tuple]]  # (this rank's part, every tensor key's full shape)
 _GROUPS = "optim.param_groups."
 
 
@@ -73,7 +42,12 @@ def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     own file; pending HSDP publishes are waited on first."""
     st = _require(model, optimizer)
     optimizer.wait_publish()
-    _save(path, _object_dict(model, optimizer, st, load=False))
+    sd, _ = _object_keys(model, optimizer, st, load=False)
+    hyper = {
+        g["kind"]: {k: v for k, v in g.items() if k not in ("params", "kind")}
+        for g in optimizer.param_groups
+    }
+    _dcp(dcp.save, path, sd | _group_entries(hyper))
 
 
 def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
@@ -85,18 +59,14 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     optimizer.wait_publish()  # a background publish would overwrite the loaded values
     st.scheduler.drop_ahead()  # gathers the step issued carry the values being replaced
     md = _metadata(path)
-    sd = _object_dict(model, optimizer, st, load=True)
-    _check(path, md, _object_shapes(model, optimizer, st))
-    groups = {}
-    for group in optimizer.param_groups:
-        prefix = f"optim.param_groups.{group['kind']}."
-        keys = sorted(k for k in md.state_dict_metadata if k.startswith(prefix))
-        sd.update({k: group.get(k[len(prefix) :]) for k in keys})
-        groups[prefix] = (group, keys)
-    _load(path, sd)
-    for prefix, (group, keys) in groups.items():
-        for k in keys:
-            group[k[len(prefix) :]] = sd[k]
+    sd, shapes = _object_keys(model, optimizer, st, load=True)
+    _check(path, md, shapes)
+    groups = {g["kind"]: g for g in optimizer.param_groups}
+    keys = _group_keys(md, groups, known_only=False)
+    sd.update({k: groups[kind].get(name) for k, (kind, name) in keys.items()})
+    _dcp(dcp.load, path, sd)
+    for k, (kind, name) in keys.items():
+        groups[kind][name] = sd[k]
 
 
 def save_state(
@@ -115,14 +85,11 @@ def save_state(
     given = dict(
         lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay
     )
-    values = {k: (getattr(state.config, k) if v is None else float(v)) for k, v in given.items()}
-    if values["adamw_lr"] is None:  # Config.adamw_lr None: the Muon lr
-        values["adamw_lr"] = values["lr"]
-    cfg = dataclasses.replace(state.config, **values)
-    sd = _state_dict(state, load=False)
-    for kind in _kinds(state):
-        sd.update({f"{_GROUPS}{kind}.{k}": getattr(cfg, f) for k, f in HYPER[kind].items()})
-    _save(path, sd)
+    # the values the run used, validated as a Config's (adamw_lr None: lr)
+    used = {k: float(v) for k, v in given.items() if v is not None}
+    hyper = dataclasses.replace(state.config, **used).groups()
+    sd, _ = _state_keys(state, load=False)
+    _dcp(dcp.save, path, sd | _group_entries({kind: hyper[kind] for kind in _kinds(state)}))
 
 
 def load_state(path: PathLike, state: State) -> State:
@@ -132,7 +99,6 @@ def load_state(path: PathLike, state: State) -> State:
     dtype of `state` (its `Config.state_dtype`), parameters the dtypes `init` gave them; the
     input is not modified. Collective."""
     md = _metadata(path)
-    _check(path, md, _state_shapes(state))
     new = State(
         {n: t.clone() for n, t in state.params.items()},
         {n: type(s)(*(t.clone() for t in s)) for n, s in state.opt.items()},
@@ -140,21 +106,35 @@ def load_state(path: PathLike, state: State) -> State:
         state.config,
         *_counters_of(state),
     )
-    sd = _state_dict(new, load=True)
-    fields = {
-        f"{_GROUPS}{kind}.{k}": f
-        for kind in _kinds(state)
-        for k, f in HYPER[kind].items()
-        if f"{_GROUPS}{kind}.{k}" in md.state_dict_metadata
-    }
-    sd.update({k: getattr(state.config, f) for k, f in fields.items()})
-    _load(path, sd)
-    hyper = {f: sd[k] for k, f in fields.items()}
-    if "adamw_betas" in hyper:
-        hyper["adamw_betas"] = tuple(hyper["adamw_betas"])
-    config = dataclasses.replace(state.config, **hyper)
+    sd, shapes = _state_keys(new, load=True)
+    _check(path, md, shapes)
+    hyper = state.config.groups()
+    keys = _group_keys(md, {kind: hyper[kind] for kind in _kinds(state)}, known_only=True)
+    sd.update({k: hyper[kind][name] for k, (kind, name) in keys.items()})
+    _dcp(dcp.load, path, sd)
+    loaded: dict[str, dict[str, Any]] = {}
+    for k, (kind, name) in keys.items():
+        loaded.setdefault(kind, {})[name] = sd[k]
+    config = state.config.with_groups(loaded)
     # the same object when nothing changed: a compiled step guarded on it need not recompile
     return new._replace(config=state.config if config == state.config else config)
+
+
+def _group_entries(hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Param-group hyperparameters {kind: {name: value}} keyed as the checkpoint keys them."""
+    return {f"{_GROUPS}{kind}.{k}": v for kind, g in hyper.items() for k, v in g.items()}
+
+
+def _group_keys(md: Metadata, groups: dict[str, Any], *, known_only: bool) -> dict[str, tuple]:
+    """The checkpoint's param-group keys of the kinds in `groups`, as {key: (kind, name)}
+    (known_only: only the names `groups[kind]` has)."""
+    out = {}
+    for k in sorted(md.state_dict_metadata):
+        if k.startswith(_GROUPS):
+            kind, name = k[len(_GROUPS) :].split(".", 1)
+            if kind in groups and (name in groups[kind] or not known_only):
+                out[k] = (kind, name)
+    return out
 
 
 def _kinds(state: State) -> list[str]:
@@ -186,33 +166,26 @@ def _require(model: nn.Module, optimizer: Muon) -> DedicatedState:
     return st
 
 
-def _object_dict(
-    model: nn.Module, optimizer: Muon, st: DedicatedState, *, load: bool
-) -> dict[str, Any]:
-    """This rank's part: dedicated values on the global owner (load: every local owner), their
-    optimizer state on the global owner; DTensors, plain params, buffers, FSDP2 params' state
-    and (save) param-group hyperparameters on every rank."""
+def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load: bool) -> Keys:
+    """Dedicated values on the global owner (load: every local owner), their optimizer state on
+    the global owner; DTensors, plain params, buffers, FSDP2 params' state and the guard's
+    counters on every rank."""
     sd: dict[str, Any] = {}
-    names = {}
+    shapes: dict[str, tuple] = {}
     for n, p in model.named_parameters():
-        names[id(p)] = n
         e = st.entry(p)
-        if e is None or st.is_global_owner(e) or (load and st.is_local_owner(e)):
+        full = tuple(p.shape if e is None else e.full_shape)  # DTensor: global
+        held = e is None or st.is_global_owner(e)
+        shapes[f"model.{n}"] = full
+        if held or (load and st.is_local_owner(e)):
             sd[f"model.{n}"] = _part(e, p.detach())
+        for k, v in optimizer.state[p].items():
+            shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else full  # 0-d: step counts
+            if held:
+                sd[f"optim.{n}.{k}"] = v if v.ndim == 0 else _part(e, v)
     for n, b in _buffers(model).items():
-        sd[f"model.{n}"] = b.detach()
-    for group in optimizer.param_groups:
-        if not load:  # load asks for the hyperparameters the checkpoint has (load_checkpoint)
-            hyper = {k: v for k, v in group.items() if k not in ("params", "kind")}
-            sd.update({f"optim.param_groups.{group['kind']}.{k}": v for k, v in hyper.items()})
-        for p in group["params"]:
-            e = st.entry(p)
-            if e is None or st.is_global_owner(e):
-                for k, v in optimizer.state[p].items():
-                    sd[f"optim.{names[id(p)]}.{k}"] = v if v.ndim == 0 else _part(e, v)
-    for k, v in _counters(optimizer).items():
-        sd[f"optim.{k}"] = v
-    return sd
+        sd[f"model.{n}"], shapes[f"model.{n}"] = b.detach(), tuple(b.shape)
+    return _with_counters(sd, shapes, optimizer.skipped_steps, optimizer.grad_norm)
 
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:
@@ -221,28 +194,11 @@ def _part(e, t: torch.Tensor) -> torch.Tensor:
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
-def _counters(optimizer: Muon) -> dict[str, torch.Tensor]:
-    """The guard's 0-d counters, the same on every rank (read-only for the step's arithmetic,
-    kept so that a resumed run reports what an uninterrupted one would)."""
-    return {"skipped_steps": optimizer.skipped_steps, "grad_norm": optimizer.grad_norm}
-
-
-def _object_shapes(model: nn.Module, optimizer: Muon, st: DedicatedState) -> dict[str, tuple]:
-    """Every tensor key of the checkpoint with its full shape (identical on every rank)."""
-    full = {}
-    for n, p in model.named_parameters():
-        e = st.entry(p)
-        full[id(p)] = (n, tuple(p.shape if e is None else e.full_shape))  # DTensor: global
-    shapes = {f"model.{n}": s for n, s in full.values()}
-    shapes.update({f"model.{n}": tuple(b.shape) for n, b in _buffers(model).items()})
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            n, s = full[id(p)]
-            for k, v in optimizer.state[p].items():
-                # Muon's state: 0-d step counts, the rest shaped like the parameter
-                shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else s
-    shapes.update({f"optim.{k}": () for k in _counters(optimizer)})
-    return shapes
+def _with_counters(sd, shapes, skipped: torch.Tensor, norm: torch.Tensor) -> Keys:
+    """With the guard's 0-d counters, the same on every rank (kept so that a resumed run reports
+    what an uninterrupted one would)."""
+    sd.update({"optim.skipped_steps": skipped, "optim.grad_norm": norm})
+    return sd, shapes | {"optim.skipped_steps": (), "optim.grad_norm": ()}
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -251,28 +207,22 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b for n, b in sd.items() if n not in params and torch.is_tensor(b)}
 
 
-def _state_dict(state: State, *, load: bool) -> dict[str, torch.Tensor]:
-    """This rank's part of a functional State: each value on its global owner (load: every local
-    owner), its optimizer state on the global owner; the counters on every rank."""
-    fp, sd = state.plan, {}
+def _state_keys(state: State, *, load: bool) -> Keys:
+    """A functional State's: each value on its global owner (load: every local owner), its
+    optimizer state on the global owner; the counters on every rank."""
+    fp, sd, shapes = state.plan, {}, {}
     for n in fp.names:
+        items = state_items(state.opt[n])
+        shapes[f"model.{n}"] = fp.shape(n)
+        shapes.update(
+            {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
+        )
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
             sd[f"model.{n}"] = state.params[n]
         if fp.is_global_owner(n):
-            sd.update({f"optim.{n}.{k}": v for k, v in state_items(state.opt[n]).items()})
+            sd.update({f"optim.{n}.{k}": v for k, v in items.items()})
     skipped, norm = (state.skipped_steps, state.grad_norm) if load else _counters_of(state)
-    sd.update({"optim.skipped_steps": skipped, "optim.grad_norm": norm})
-    return sd
-
-
-def _state_shapes(state: State) -> dict[str, tuple]:
-    fp, shapes = state.plan, {}
-    for n in fp.names:
-        shapes[f"model.{n}"] = fp.shape(n)
-        for k, v in state_items(state.opt[n]).items():
-            shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else fp.shape(n)
-    shapes.update({"optim.skipped_steps": (), "optim.grad_norm": ()})
-    return shapes
+    return _with_counters(sd, shapes, skipped, norm)
 
 
 def _metadata(path: PathLike) -> Metadata:
@@ -311,12 +261,9 @@ def _why(key: str, saved: dict[str, tuple]) -> str:
         name = key[len("optim.") :].rsplit(".", 1)[0]
         if f"model.{name}" in saved:
             kinds = {k: t.__name__[: -len("State")] for t, ks in STATE_KEYS.items() for k in ks}
+            mine = f"optim.{name}."
             theirs = sorted(
-                {
-                    kinds.get(k.rsplit(".", 1)[1], "?")
-                    for k in saved
-                    if k.startswith(f"optim.{name}.")
-                }
+                {kinds.get(k.rsplit(".", 1)[1], "?") for k in saved if k.startswith(mine)}
             )
             return (
                 f"{name} was saved with {'/'.join(theirs)} state, this run gives it "
@@ -326,17 +273,8 @@ def _why(key: str, saved: dict[str, tuple]) -> str:
     return "it was saved from a model with other parameter names (or another optimizer)"
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _save(path: PathLike, sd: dict[str, Any]) -> None:
+def _dcp(fn, path: PathLike, sd: dict[str, Any]) -> None:
+    """dcp.save or dcp.load; without a process group (one process) where none is initialized."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(sd, checkpoint_id=path, no_dist=not _distributed())
-
-
-def _load(path: PathLike, sd: dict[str, Any]) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=path, no_dist=not _distributed())
+        fn(sd, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))

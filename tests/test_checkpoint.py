@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon_fn as dmuon
-from dmuon_fn._checkpoint import HYPER, _kinds
+from dmuon_fn._checkpoint import _kinds
 from dmuon_fn.ns._dispatch import cpu_dispatch
 from dmuon_fn.optim._update import state_items
 from tests._dist import run_ranks
@@ -144,7 +144,7 @@ def _fn_full(state):
             out[f"{n}.{k}"] = buf
     for kind in _kinds(state):
         out[f"{kind}.kind"] = kind
-        out.update({f"{kind}.{k}": getattr(state.config, f) for k, f in HYPER[kind].items()})
+        out.update({f"{kind}.{k}": v for k, v in state.config.groups()[kind].items()})
     out["guard.skipped_steps"] = state.skipped_steps.clone()
     out["guard.grad_norm"] = state.grad_norm.clone()
     return out, True

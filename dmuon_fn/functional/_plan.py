@@ -1,14 +1,21 @@
 """The functional API's plan for one rank: who owns what, as plain hashable data (a compile-time
-constant of the step), below both the step (`_functional.py`) and its Z3 stages
-(`_functional_z3.py`)."""
+constant of the step), below both the step (`_step.py`) and its Z3 stages (`_z3.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from ..planning._partition import Plan
+from ..comm._mesh import check_dtypes, check_meshes
+from ..dedicated import _fsdp_adapter as fsdp
+from ..ns._dispatch import agreed_aspect, gram_min_aspect
+from ..planning._check import check_plan_consistent
+from ..planning._partition import Plan, partition
 from ..planning._summary import PlanSummary, plan_summary
 from ..planning._view import RankView, Route
 
@@ -68,3 +75,74 @@ class FnPlan:
 
     def is_global_owner(self, name: str) -> bool:
         return self.view.is_global_owner(name)
+
+
+def plan(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    predicate: Callable[[str, nn.Parameter], bool] | None = None,
+    *,
+    replicate_mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> FnPlan:
+    """Plan ownership of every parameter of `model` (names in `named_parameters()` order).
+
+    mesh None: one process. predicate(name, param) selects the Muon matrices (default: every
+    parameter with 2+ dims); the rest take AdamW.
+    param_dtype / reduce_dtype: mixed precision, as `dedicate_params`: every parameter is
+    gathered and computed with in `param_dtype` (e.g. bf16) while its global owner keeps the
+    master in the model dtype promoted to at least fp32 (and the optimizer state in
+    `Config.state_dtype`); gradients are summed in `reduce_dtype` (default: param_dtype's).
+    None (default): the model dtype throughout, no separate master.
+    """
+    check_dtypes(param_dtype, reduce_dtype)
+    named = list(model.named_parameters())
+    if not named:
+        raise ValueError("the model has no parameters to plan")
+    split = [n for n, p in named if fsdp.is_dtensor(p)]
+    if split:
+        raise ValueError(
+            f"{split[0]} is a DTensor ({len(split)} in all): the functional API plans plain "
+            "tensors. For tensor parallelism use the object API (parallelize_module, then "
+            "dedicate_params and Muon)"
+        )
+    predicate = predicate or (lambda n, p: p.ndim >= 2)
+    muon = frozenset(n for n, p in named if predicate(n, p))
+    bad = [n for n in muon if dict(named)[n].ndim < 2]
+    if bad:
+        raise ValueError(f"{bad[0]} is not a matrix: the predicate must select 2+-dim params")
+    if mesh is None:
+        if replicate_mesh is not None:
+            raise ValueError("replicate_mesh needs a shard mesh too")
+        G, R, shard_rank, rep_rank, group, rep_group = 1, 1, 0, 0, "", ""
+    else:
+        check_meshes(mesh, replicate_mesh)
+        G, shard_rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name
+        R = 1 if replicate_mesh is None else replicate_mesh.size()
+        rep_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
+        rep_group = "" if replicate_mesh is None else replicate_mesh.get_group().group_name
+    shapes = {n: tuple(p.shape) for n, p in named}
+    device = named[0][1].device
+    # a job plans (and runs) rank 0's NS dispatch on every rank
+    aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)
+    part = partition(
+        shapes,
+        G * R,
+        replicate_size=R,
+        elementwise=[n for n in shapes if n not in muon],
+        gram_min_aspect=aspect,
+    )
+    if dist.is_initialized() and G * R > 1:
+        check_plan_consistent(part)
+    return FnPlan(
+        names=tuple(n for n, _ in named),
+        shapes=tuple(shapes[n] for n, _ in named),
+        muon=muon,
+        trainable=frozenset(n for n, p in named if p.requires_grad),
+        view=RankView(part, shard_rank, rep_rank),
+        group=group,
+        rep_group=rep_group,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+    )

@@ -4,32 +4,14 @@ after its forward, gather them again for its backward.
     stages = [(names, fn), ...]    # fn(params, x, batch) -> x; the last stage returns the loss
     loss, grads = dmuon_fn.value_and_grad(stages, plan)(state.params, batch)
 
-The differentiation is written out stage by stage with torch.func.vjp, so it needs neither
-saved-tensor hooks (torch.func.grad rejects them in torch 2.13), nor checkpoint HOPs, nor a
-custom autograd.Function (dynamo inlines its forward under torch.func.grad and drops the custom
-backward). Forward: stage i's parameters are broadcast from their owners, fn runs, only its
-input activation is kept. Backward, last stage first: broadcast again, recompute the stage under
-vjp, pull the cotangent through, reduce the parameter gradients onto their owners. At any
-moment a rank holds its own parameters and one stage's gathered copy (the last stage is
-gathered once: its forward and backward are adjacent).
-
-Collective order. Every gather and reduce is one dmuon op over one stage's parameters, and ranks'
-graphs differ (owners and non-owners), so nothing may let a scheduler order them differently
-per rank: each op takes a 0-size token made by the previous op (an extra entry with a size-1
-route, so it never reaches torch.distributed) and makes the next — a strict data-dependency
-chain G0 … G(L-1) R(L-1) G(L-2) R(L-2) … G0 R0, the same on every rank. A gather also waits
-(`after`) for the activation it is needed for, so no scheduler can hoist it and hold two
-stages' copies at once.
-
-Overlap (prefetch=1, the default). Each gather and reduce is split into an asynchronous start
-(dmuon::owner_broadcast_start, dmuon::two_stage_reduce_start), which returns a ticket, and
-dmuon::collective_wait on that ticket. Stage i+1's gathers start before stage i computes and are
-waited for after it (`after` = stage i's output); in backward, stage i-1's re-gathers start
-before stage i is recomputed and differentiated, and stage i's reduce is waited for after stage
-i-1's starts. Every start takes the previous start's ticket, so the starts form one chain
-G0 G1 … G(L-1) G(L-2) R(L-1) G(L-3) R(L-2) … R0, the same on every rank, and every wait takes
-the previous wait's results (HSDP's second reduce stage runs in the wait). At any moment a rank
-holds its own parameters and two adjacent stages' gathered copies.
+The differentiation is written out stage by stage with torch.func.vjp. Forward: stage i's
+parameters are broadcast from their owners, fn runs, only its input activation is kept.
+Backward, last stage first: broadcast again, recompute the stage under vjp, pull the cotangent
+through, reduce the parameter gradients onto their owners (the last stage is gathered once).
+Every gather and reduce is one dmuon op over one stage's parameters, chained so that every rank
+issues them in one order: prefetch=0 blocks in each op (a token chain; one stage's copy held at
+a time), prefetch=1 starts each one stage ahead and waits for it after the neighbour's compute
+(a ticket chain; two adjacent stages' copies). Why, and the orders: proofs/step_notes.md.
 """
 
 from __future__ import annotations
@@ -90,33 +72,33 @@ def _entries(rows, names, fn_plan, token):
     return _flat(rows), [len(s) for s in rows], _flat(routes), extra
 
 
+def _local_rows(names, fn_plan) -> list[tuple[int, ...]]:
+    """Each parameter's reduced-gradient shape on this rank: its own on a local owner, else 0."""
+    return [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
+
+
 def _by_name(names, outs, token):
     """(name -> the op's output, the next token: None without one)."""
     return dict(zip(names, outs[: len(names)], strict=True)), (None if token is None else outs[-1])
 
 
-def _gather(params, names, fn_plan, token=None, after=None):
-    """Parameters `names` in full on every rank of the shard group, in one op; with a token, the
-    op also consumes it and returns the next one (None without)."""
-    full = [fn_plan.shape(n) for n in names]
-    shapes, ndims, routes, extra = _entries(full, names, fn_plan, token)
-    outs = torch.ops.dmuon.owner_broadcast(
-        [fn_plan.compute(params[n]) for n in names] + extra,
-        shapes,
-        ndims,
-        routes,
-        fn_plan.group,
-        after=after,
-    )
-    return _by_name(names, outs, token)
+def _gather(params, names, fn_plan, token=None, after=None, start=False):
+    """Parameters `names` in full on every rank of the shard group, in one op; with a token the
+    op also consumes it and returns the next one (None without). start: the op only issues the
+    gathers and returns their ticket (dmuon::collective_wait redeems it)."""
+    rows = [fn_plan.shape(n) for n in names]
+    shapes, ndims, routes, extra = _entries(rows, names, fn_plan, token)
+    op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
+    locals_ = [fn_plan.compute(params[n]) for n in names] + extra
+    outs = op(locals_, shapes, ndims, routes, fn_plan.group, after=after)
+    return outs if start else _by_name(names, outs, token)
 
 
-def _reduce(grads, names, fn_plan, token=None):
+def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
     """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
-    the local slot elsewhere, in one op; the token as in `_gather`."""
-    local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
-    shapes, ndims, routes, extra = _entries(local, names, fn_plan, token)
-    outs = torch.ops.dmuon.two_stage_reduce(
+    the local slot elsewhere, in one op; token and start as in `_gather`."""
+    shapes, ndims, routes, extra = _entries(_local_rows(names, fn_plan), names, fn_plan, token)
+    args = (
         [fn_plan.summed(grads[n]) for n in names] + extra,
         shapes,
         ndims,
@@ -125,7 +107,9 @@ def _reduce(grads, names, fn_plan, token=None):
         fn_plan.rep_group,
         1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
     )
-    return _by_name(names, outs, token)
+    if start:
+        return torch.ops.dmuon.two_stage_reduce_start(*args, after=after)
+    return _by_name(names, torch.ops.dmuon.two_stage_reduce(*args), token)
 
 
 def _vjp(fn: StageFn, full, x, batch):
@@ -144,44 +128,66 @@ def _last(fn: StageFn, full, x, batch):
     return loss, pull, torch.ones_like(loss)
 
 
-def _start_gather(params, names, fn_plan, after):
-    """Stage `names`' gathers, issued: their ticket."""
-    full = [fn_plan.shape(n) for n in names]
-    shapes, ndims, routes, _ = _entries(full, names, fn_plan, None)
-    locals_ = [fn_plan.compute(params[n]) for n in names]
-    return torch.ops.dmuon.owner_broadcast_start(
-        locals_, shapes, ndims, routes, fn_plan.group, after=after
-    )
+class _Blocking:
+    """prefetch=0: each stage's gather and reduce is one op, issued where its result is needed
+    and ordered by a token chain. `start_*` return handles; `gathered`/`reduced` their results."""
+
+    def __init__(self, params, fn_plan: FnPlan) -> None:
+        self.params, self.plan = params, fn_plan
+        self.token = params[fn_plan.names[0]].new_zeros(0)
+
+    def start_gather(self, names):
+        return names  # issued by `gathered`, where the result is needed
+
+    def gathered(self, names, after):
+        full, self.token = _gather(self.params, names, self.plan, self.token, after)
+        return full
+
+    def start_reduce(self, g_full, names):
+        reduced, self.token = _reduce(g_full, names, self.plan, self.token)
+        return reduced
+
+    def reduced(self, reduced, last: bool):
+        return reduced
 
 
-def _start_reduce(grads, names, fn_plan, after):
-    """Stage `names`' gradient reduces, issued: their ticket."""
-    local = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
-    shapes, ndims, routes, _ = _entries(local, names, fn_plan, None)
-    return torch.ops.dmuon.two_stage_reduce_start(
-        [fn_plan.summed(grads[n]) for n in names],
-        shapes,
-        ndims,
-        routes,
-        fn_plan.group,
-        fn_plan.rep_group,
-        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
-        after=after,
-    )
+class _Overlapped:
+    """prefetch=1: every gather and reduce started ahead, each start taking the previous start's
+    ticket (one chain on every rank) and each reduce's wait the previous wait's results."""
 
+    def __init__(self, params, fn_plan: FnPlan) -> None:
+        self.params, self.plan = params, fn_plan
+        self.chain = params[fn_plan.names[0]].new_zeros(0)
+        self.landed: list[torch.Tensor] = []
+        # 0-size tensors in each output's dtype, for the waits
+        self.like = {n: fn_plan.compute(params[n].new_empty(0)) for n in fn_plan.names}
 
-def _wait(ticket, like, rows, names, after):
-    """The results behind `ticket` by name; `like[n]` has output n's dtype and device."""
-    shapes, ndims = _flat(rows), [len(r) for r in rows]
-    outs = torch.ops.dmuon.collective_wait(
-        ticket, [like[n] for n in names], shapes, ndims, after=after
-    )
-    return dict(zip(names, outs, strict=True))
+    def start_gather(self, names):
+        self.chain = _gather(self.params, names, self.plan, after=[self.chain], start=True)
+        return self.chain, names
 
+    def gathered(self, handle, after):
+        ticket, names = handle
+        return self._wait(ticket, self.like, [self.plan.shape(n) for n in names], names, after)
 
-def _empty_like(tensors: dict[str, torch.Tensor], names, cast) -> dict[str, torch.Tensor]:
-    """0-size tensors in the dtype `cast` gives each of `tensors` (what a collective sends)."""
-    return {n: cast(tensors[n].new_empty(0)) for n in names}
+    def start_reduce(self, g_full, names):
+        self.chain = _reduce(g_full, names, self.plan, after=[self.chain], start=True)
+        return self.chain, names, {n: self.plan.summed(g_full[n].new_empty(0)) for n in names}
+
+    def reduced(self, handle, last: bool):
+        ticket, names, like = handle
+        after = self.landed if last else [self.chain, *self.landed]
+        out = self._wait(ticket, like, _local_rows(names, self.plan), names, after)
+        self.landed = list(out.values())
+        return out
+
+    @staticmethod
+    def _wait(ticket, like, rows, names, after):
+        """The results behind `ticket` by name; `like[n]` has output n's dtype and device."""
+        ndims = [len(r) for r in rows]
+        likes = [like[n] for n in names]
+        outs = torch.ops.dmuon.collective_wait(ticket, likes, _flat(rows), ndims, after=after)
+        return dict(zip(names, outs, strict=True))
 
 
 def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):
@@ -192,94 +198,46 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
     stages = check_stages(stages, fn_plan)
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch must be 0 or 1 (one stage ahead), got {prefetch!r}")
-    if prefetch:
-        return _overlapped(stages, fn_plan)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
-        token = params[fn_plan.names[0]].new_zeros(0)
-        xs, x = [], None
-        for names, fn in stages[:-1]:
-            full, token = _gather(params, names, fn_plan, token, _tensors(x))
-            xs.append(x)
-            x = fn(full, x, batch)
-            del full  # dead after the stage: the backward gathers it again
-        names, fn = stages[-1]
-        full, token = _gather(params, names, fn_plan, token, _tensors(x))
-        loss, pull, cot = _last(fn, full, x, batch)
+        ops = (_Overlapped if prefetch else _Blocking)(params, fn_plan)
+        xs, x, last = [], None, len(stages) - 1
+        handle = ops.start_gather(stages[0][0])
+        for i, (_, fn) in enumerate(stages):
+            full = ops.gathered(handle, _tensors(x))
+            if i < last:
+                handle = ops.start_gather(stages[i + 1][0])
+                xs.append(x)
+                x = fn(full, x, batch)
+                del full  # dead after the stage: the backward gathers it again
+        loss, pull, cot = _last(stages[-1][1], full, x, batch)
         del full
+        ops.landed = [loss]
         grads: dict[str, torch.Tensor] = {}
-        for i in range(len(stages) - 1, -1, -1):
+        pending = None
+        for i in range(last, -1, -1):
             names, fn = stages[i]
-            if i < len(stages) - 1:
-                full, token = _gather(params, names, fn_plan, token, _tensors(cot))
-                _, pull = _vjp(fn, full, xs[i], batch)
-                del full
-                xs[i] = None  # held by the pullback until it has run
-            g_full, cot = pull(cot)
-            del pull
-            reduced, token = _reduce(g_full, names, fn_plan, token)
-            for n, g in reduced.items():
-                grads[n] = grads[n] + g if n in grads else g
-        return loss, {n: grads[n] for n in fn_plan.names}
-
-    return run
-
-
-def _overlapped(stages, fn_plan: FnPlan):
-    """The staged step with each stage's collectives started one stage ahead (module
-    docstring, "Overlap")."""
-
-    def run(params: dict[str, torch.Tensor], batch: Any):
-        full_shapes = {n: [fn_plan.shape(n)] for names, _ in stages for n in names}
-        p_like = _empty_like(params, full_shapes, fn_plan.compute)
-
-        def gather_wait(ticket, names, after):
-            return _wait(ticket, p_like, [full_shapes[n][0] for n in names], names, after)
-
-        names0 = stages[0][0]
-        chain = _start_gather(params, names0, fn_plan, [params[fn_plan.names[0]].new_zeros(0)])
-        full = gather_wait(chain, names0, None)
-        xs, x = [], None
-        for i in range(len(stages) - 1):
-            chain = nxt = _start_gather(params, stages[i + 1][0], fn_plan, [chain])
-            xs.append(x)
-            x = stages[i][1](full, x, batch)
-            del full  # dead after the stage: the backward gathers it again
-            full = gather_wait(nxt, stages[i + 1][0], _tensors(x))
-        names, fn = stages[-1]
-        loss, pull, cot = _last(fn, full, x, batch)
-        del full
-        grads: dict[str, torch.Tensor] = {}
-        regather, pending, landed = None, None, [loss]
-        for i in range(len(stages) - 1, -1, -1):
-            names, fn = stages[i]
-            if i < len(stages) - 1:
-                full = gather_wait(regather, names, _tensors(cot))
+            if i < last:
+                full = ops.gathered(handle, _tensors(cot))
                 _, pull = _vjp(fn, full, xs[i], batch)
                 del full
                 xs[i] = None  # held by the pullback until it has run
             if i > 0:
-                chain = regather = _start_gather(params, stages[i - 1][0], fn_plan, [chain])
+                handle = ops.start_gather(stages[i - 1][0])
             g_full, cot = pull(cot)
             del pull
-            chain = _start_reduce(g_full, names, fn_plan, [chain])
-            like = _empty_like(g_full, names, fn_plan.summed)
+            reduce = ops.start_reduce(g_full, names)
             del g_full
             if pending is not None:  # the last stage's reduce traveled while this one ran
-                landed = _land(pending, grads, fn_plan, [chain, *landed])
-            pending = (chain, names, like)
-        _land(pending, grads, fn_plan, landed)
+                _add(grads, ops.reduced(pending, last=False))
+            pending = reduce
+        _add(grads, ops.reduced(pending, last=True))
         return loss, {n: grads[n] for n in fn_plan.names}
 
     return run
 
 
-def _land(pending, grads, fn_plan, after) -> list[torch.Tensor]:
-    """Wait for a stage's reduce and add its results to `grads`; returns them (the next wait
-    waits for them)."""
-    ticket, names, like = pending
-    rows = [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
-    reduced = _wait(ticket, like, rows, names, after)
+def _add(grads: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
+    """Sum a stage's reduced gradients into `grads` (a name in several stages is summed)."""
     for n, g in reduced.items():
         grads[n] = grads[n] + g if n in grads else g
-    return list(reduced.values())

@@ -1,17 +1,11 @@
-"""What keeps a long run safe: the global gradient norm (clipping, non-finite detection) and
-collective failures that name the phase they happened in.
-
-Global gradient norm, one all-reduce over the world of two sums: the squares of the gradient
-entries each rank holds exactly once in the job (a dedicated parameter's reduced gradient on its
-global owner; an FSDP2 gradient shard on the replica-0 copy of that shard; a plain parameter's
-gradient on a world of one), which is ‖all gradients‖²; and the squares of every local copy
-(HSDP replicas included), which is non-finite whenever any rank holds a non-finite entry. Every
-rank then takes the same skip decision from the same value, on device, without a host sync.
-"""
+"""The gradient guard both faces share: the global gradient norm (clipping, non-finite
+detection) as one decision every rank takes alike, on device, and the masked write that makes a
+skipped step change nothing (proofs/guard.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -64,11 +58,37 @@ def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (total_norm.float() + 1e-6)).clamp(max=1.0)
 
 
-def check_nonfinite_mode(mode: str) -> None:
-    if mode not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {mode!r}")
-
-
 def check_max_norm(max_norm: float | None) -> None:
     if max_norm is not None and not max_norm > 0.0:
         raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_norm!r}")
+
+
+class Verdict(NamedTuple):
+    """A step's guard decision, the same on every rank (it is read from all-reduced sums)."""
+
+    norm: Tensor  # ‖all gradients‖ before clipping: float64, 0-d
+    ok: Tensor | None  # bool, 0-d: every gradient finite; masks every write (None: unmasked)
+    coef: Tensor | None  # the clip coefficient: float32, 0-d (None: no clipping)
+
+
+def judge(once: Tensor, every: Tensor, nonfinite: str, max_norm: float | None) -> Verdict:
+    """The decision from the job's Σ‖g‖² counting each value once (`once`) and over every local
+    copy (`every`), both float64 0-d, taken before any clipping."""
+    norm = once.sqrt()
+    ok = None if nonfinite == "ignore" else torch.isfinite(every)
+    return Verdict(norm, ok, None if max_norm is None else clip_coefficient(norm, max_norm))
+
+
+def tally(skipped: Tensor, ok: Tensor | None) -> Tensor:
+    """The skipped-steps counter (int64, 0-d) after a step whose finite flag is `ok`."""
+    return skipped if ok is None else skipped + (~ok).to(skipped.dtype)
+
+
+def keep(ok: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
+    """`new`, or `old` where the step is skipped (`ok` False): a masked write, no host sync."""
+    return new if ok is None else torch.where(ok.to(old.device), new, old)
+
+
+def write(dst: Tensor, new: Tensor, ok: Tensor | None) -> None:
+    """dst ← `keep(ok, new, dst)` in place: the object API's masked write."""
+    dst.copy_(keep(ok, new, dst))

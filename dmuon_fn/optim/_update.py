@@ -18,7 +18,8 @@ AdamW (decoupled weight decay, as torch.optim.AdamW):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,13 +32,8 @@ _SCALES = ("match_rms_adamw", "original")
 
 
 def on_device(x: Scalar, device: torch.device) -> Scalar:
-    """A tensor hyperparameter moved to the parameter's device (floats stay floats).
-
-    A 0-d CPU tensor next to CUDA tensors is legal in eager, but a compiled graph that computes
-    with it on the CPU (lr·scale, 1 − lr·wd) and feeds the result to a CUDA kernel fails at
-    launch (inductor passes the CPU scalar as a device pointer: pytorch/pytorch#121374).
-    Copying the scalar first keeps that arithmetic on the device.
-    """
+    """A tensor hyperparameter moved to the parameter's device (floats stay floats), so that a
+    compiled step's scalar arithmetic runs there (pytorch/pytorch#121374, proofs/step_notes.md)."""
     if isinstance(x, Tensor) and x.device != device:
         return x.to(device)
     return x
@@ -59,6 +55,10 @@ STATE_KEYS: dict[type, tuple[str, ...]] = {
     MuonState: ("momentum_buffer",),
     AdamWState: AdamWState._fields,
 }
+
+
+# A param group's kind -> its pure state.
+KINDS: dict[str, type] = {"muon": MuonState, "adamw": AdamWState}
 
 
 def state_items(state: MuonState | AdamWState) -> dict[str, Tensor]:
@@ -187,3 +187,27 @@ def adamw_update(
     denom = torch.sqrt(v) / bc2_sqrt + eps
     new = param * (1 - lr * weight_decay) - (lr / bc1) * (m / denom)
     return new.to(param.dtype), AdamWState(t, m, v)
+
+
+def init_state(kind: str, like: Tensor, dtype: torch.dtype | None) -> MuonState | AdamWState:
+    """`kind`'s zero state ("muon" or "adamw") for a parameter shaped like `like`."""
+    return (muon_init if kind == "muon" else adamw_init)(like, dtype=dtype)
+
+
+def param_update(
+    kind: str,
+    param: Tensor,
+    grad: Tensor,
+    state: MuonState | AdamWState,
+    group: Mapping[str, Any],
+    *,
+    adjust_lr: str,
+    ns: NSConfig,
+) -> tuple[Tensor, MuonState | AdamWState]:
+    """One parameter's step, by its param group's `kind` and hyperparameters (`group`, keyed as
+    `Config.groups()` names them; lr and weight_decay may be 0-d tensors). Both faces' step."""
+    if kind == "muon":
+        hyper = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov")}
+        return muon_update(param, grad, state, **hyper, adjust_lr=adjust_lr, ns=ns)
+    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    return adamw_update(param, grad, state, **hyper)

@@ -1,0 +1,123 @@
+"""Config: the optimizer's hyperparameters, one set of names and one validation for both faces
+(`Muon` builds one from its arguments; the functional API takes one). Param groups name some
+fields differently: `groups()` is the one translation (proofs/step_notes.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ns._dispatch import setup_field
+from ..ns._orthogonalize import NSConfig
+from ..planning._check import check_setup_consistent, kernel_field
+from ._guard import NONFINITE, check_max_norm
+
+# Each param-group kind's keys, as the Config fields they come from.
+GROUP_FIELDS: dict[str, dict[str, str]] = {
+    "muon": {k: k for k in ("lr", "momentum", "weight_decay", "nesterov")},
+    "adamw": {k: f"adamw_{k}" for k in ("lr", "betas", "eps", "weight_decay")},
+}
+_NON_NEGATIVE = ("lr", "adamw_lr", "momentum", "weight_decay", "adamw_eps", "adamw_weight_decay")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Hyperparameters. `lr` and `adamw_lr` (None: `lr`) are the defaults of the functional
+    `update`'s per-step arguments (pass them there as tensors to schedule without recompiling).
+
+    nonfinite: "skip" (a non-finite gradient anywhere leaves every parameter and all state
+    unchanged on every rank, masked on device, no host sync), "ignore" (no norm is taken unless
+    clipping), or "raise" (one host sync; only where the step may sync: `host_sync=True`, as
+    `Muon` builds its Config). max_grad_norm: clip every gradient by the global norm (None: no
+    clipping). state_dtype None: the parameter's dtype.
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    adamw_betas: tuple[float, float] = (0.9, 0.999)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.01
+    adjust_lr: str = "match_rms_adamw"
+    ns: NSConfig = field(default_factory=NSConfig)
+    state_dtype: torch.dtype | None = torch.float32
+    max_grad_norm: float | None = None
+    nonfinite: str = "skip"
+    lr: float = 0.02
+    adamw_lr: float | None = None
+    host_sync: InitVar[bool] = False
+
+    def __post_init__(self, host_sync: bool) -> None:
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if value is not None and not value >= 0.0:
+                raise ValueError(f"Config.{name} must be >= 0, got {value!r}")
+        if not all(0.0 <= b < 1.0 for b in self.adamw_betas):
+            raise ValueError(f"Config.adamw_betas must lie in [0, 1), got {self.adamw_betas!r}")
+        object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
+        check_max_norm(self.max_grad_norm)
+        check_nonfinite(self.nonfinite, host_sync)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether a step takes the global gradient norm (to clip, skip or raise)."""
+        return self.max_grad_norm is not None or self.nonfinite != "ignore"
+
+    def groups(
+        self,
+        *,
+        lr: float | Tensor | None = None,
+        adamw_lr: float | Tensor | None = None,
+        weight_decay: float | Tensor | None = None,
+        adamw_weight_decay: float | Tensor | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """{"muon": {lr, momentum, weight_decay, nesterov}, "adamw": {lr, betas, eps,
+        weight_decay}}: the hyperparameters as param groups name them. A per-step value given
+        (a float or a 0-d tensor) replaces the Config's; adamw_lr falls back to the Config's,
+        then to lr."""
+        values = {f: getattr(self, f) for fields in GROUP_FIELDS.values() for f in fields.values()}
+        given = {"lr": lr, "adamw_lr": adamw_lr, "weight_decay": weight_decay}
+        given["adamw_weight_decay"] = adamw_weight_decay
+        values.update((k, v) for k, v in given.items() if v is not None)
+        if values["adamw_lr"] is None:
+            values["adamw_lr"] = values["lr"]
+        return {
+            kind: {k: values[f] for k, f in fields.items()} for kind, fields in GROUP_FIELDS.items()
+        }
+
+    def with_groups(self, groups: dict[str, dict[str, Any]]) -> Config:
+        """This Config with the hyperparameters in `groups` (as `groups()` names them; keys it
+        does not name are ignored)."""
+        fields = [(GROUP_FIELDS[kind], g) for kind, g in groups.items()]
+        values = {f[k]: v for f, g in fields for k, v in g.items() if k in f}
+        return dataclasses.replace(self, **values)
+
+    def check_setup(
+        self, device: torch.device, *, across_ranks: bool = True, **fields: str
+    ) -> None:
+        """Raise the Newton-Schulz kernel's error if this rank cannot run it; with across_ranks
+        (collective over the default group), first raise `PlanMismatchError` on every rank
+        unless all resolve the same kernel and dispatch and hold the same Config and `fields`."""
+        kernel, error = kernel_field(self.ns.kernel, device)
+        if across_ranks:
+            setup = {"NS kernel": kernel, "NS dispatch": setup_field(device)}
+            check_setup_consistent(
+                {**setup, "NS config": repr(self.ns), "optimizer": repr(self), **fields}
+            )
+        if error is not None:
+            raise error
+
+
+def check_nonfinite(mode: str, host_sync: bool) -> None:
+    """`mode` must be one of NONFINITE; "raise" only where the step may sync with the host."""
+    if mode not in NONFINITE:
+        raise ValueError(f"Config.nonfinite must be one of {NONFINITE}, got {mode!r}")
+    if mode == "raise" and not host_sync:
+        raise ValueError(
+            "Config.nonfinite must be 'skip' or 'ignore' (a compiled step cannot raise without a "
+            "host sync), got 'raise'; Muon(nonfinite='raise') raises from its eager step"
+        )
