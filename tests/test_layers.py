@@ -119,3 +119,31 @@ def test_no_import_cycles():
         cycle = _cycle(_module_graph(package))
         assert cycle is None, "import cycle: " + " -> ".join(cycle)
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# dmuon_fn's layers, bottom to top: a module may import its own layer and the ones below it
+LAYERS = (
+    "comm",
+    "ns",
+    "planning",
+    "optim",
+    "tp",
+    "dedicated",
+    "functional",
+    "_checkpoint",
+    "__init__",
+)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1] if len(parts) > 1 else "__init__")
+
+
+def test_layers_import_downward():
+    graph = _module_graph("dmuon_fn")
+    assert {m.split(".")[1] for m in graph if "." in m} == set(LAYERS) - {"__init__"}
+    upward = sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)
+    )
+    assert not upward, "imports against the layer order: " + "; ".join(upward)

@@ -32,7 +32,7 @@ from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
 from ..optim._update import KINDS, init_state, muon_apply, param_update, state_from, state_items
-from ..tp._exchange import TensorExchange
+from ..tp._transfer import TensorExchange
 from . import _fsdp_adapter as fsdp
 from ._muon_step import GradGuard, NextForward, exchange_momenta, steps_here, updates_here
 from ._state import DedicatedState, dedicated_state

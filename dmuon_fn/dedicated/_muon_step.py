@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..optim import _guard as guard
 from ..optim._config import Config
 from ..optim._update import MuonState, muon_momentum, state_from, state_items
-from ..tp._exchange import TensorExchange
+from ..tp._transfer import TensorExchange
 from . import _fsdp_adapter as fsdp
 from ._state import DedicatedState
 
@@ -141,7 +141,7 @@ class NextForward:
     def __init__(self, st: DedicatedState, enabled: bool) -> None:
         self.sched, self.entry, self.issued = st.scheduler, st.entry, 0
         keep_all = not st.reshard_after_forward
-        plan = self.sched.gather_in_step_plan(keep_all) if enabled else (0, {})
+        plan = self.sched.next_forward_order(keep_all) if enabled else (0, {})
         self.count, self.first = plan
 
     def unit(self, p: torch.Tensor) -> int:
@@ -166,7 +166,7 @@ def exchange_momenta(
 ) -> TensorExchange:
     """Tensor parallelism: each split matrix's momentum step on every tensor rank of its owner
     slot (state written, masked by `ok`), then its Newton-Schulz once, on its root tensor rank
-    (dmuon_fn/tp/_exchange.py). The caller applies `result(e)` and calls `finish()`."""
+    (dmuon_fn/tp/_transfer.py). The caller applies `result(e)` and calls `finish()`."""
     ex = TensorExchange(config.ns)
     index = {id(e): i for i, e in enumerate(st.entries)}  # the same on every rank
     for group, p in items:

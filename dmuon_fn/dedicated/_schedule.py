@@ -134,8 +134,6 @@ class Scheduler:
                     first.setdefault(id(e), j)
         return len(units), first
 
-    gather_in_step_plan = next_forward_order  # the name Muon calls until it moves over
-
     def gather_for_next_forward(self, j: int) -> None:
         """Issue the gathers of recorded unit `j` now (inside the step, once this rank has
         updated its own parameters of it), kept for the next forward. Every rank calls it for
