@@ -49,9 +49,8 @@ class Kernel:
 
 def _on(*types: str) -> Callable[[torch.device], tuple[bool, str]]:
     def check(device: torch.device) -> tuple[bool, str]:
-        if device.type in types:
-            return True, ""
-        return False, f"runs on {'/'.join(types)} only, not {device.type}"
+        ok = device.type in types
+        return ok, "" if ok else f"runs on {'/'.join(types)} only, not {device.type}"
 
     return check
 
@@ -68,10 +67,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
 )}  # fmt: skip
 
 # Per device type, the first available kernel wins (quack needs sm_90+, CuTe sm_80+).
-_AUTO_LADDER: dict[str, tuple[str, ...]] = {
-    "cpu": ("cpu_syrk",),
-    "cuda": ("quack", "cute_sm80", "cublas"),
-}
+_AUTO_LADDER = {"cpu": ("cpu_syrk",), "cuda": ("quack", "cute_sm80", "cublas")}
 
 
 def kernel_names() -> list[str]:

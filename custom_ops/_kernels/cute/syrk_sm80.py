@@ -72,13 +72,11 @@ class TriangleSyrk:
         # D transposed: tile (i, j) of mDt is the mirror image of tile (i, j) of D
         mDt = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(1, n, nn)))
 
-        stages, bits = self.cfg.stages, self.copy_bits
+        dt, stages, bits = self.dtype, self.cfg.stages, self.copy_bits
         sP_layout = _tiles.smem_layout_ab(
-            self.dtype, LayoutEnum.ROW_MAJOR, (self.bM, self.bK, stages), bits
+            dt, LayoutEnum.ROW_MAJOR, (self.bM, self.bK, stages), bits
         )
-        sQ_layout = _tiles.smem_layout_ab(
-            self.dtype, self.q_major, (self.bN, self.bK, stages), bits
-        )
+        sQ_layout = _tiles.smem_layout_ab(dt, self.q_major, (self.bN, self.bK, stages), bits)
         sD_layout = _tiles.smem_layout_d((self.bM, self.bN))
         smem_bytes = max(
             cute.size_in_bytes(self.dtype, sP_layout) + cute.size_in_bytes(self.dtype, sQ_layout),
