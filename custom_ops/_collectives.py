@@ -1,13 +1,12 @@
-"""c10d collectives behind the communication ops and dmuon_fn's object API, and the one way an
-op that issues collectives is defined (`define_async`).
-
-Groups are a ProcessGroup or its name (ops carry only the name in their schema). A group of
-size 1 returns at once without torch.distributed. Inside an op the collectives are opaque to
-tracing: a compiled graph calls the op, the op calls c10d.
+"""c10d collectives behind the communication ops and dmuon_fn's object API, and `define_async`,
+the one way an op that issues collectives is defined. Groups are a ProcessGroup or its name (ops
+carry the name); a group of size 1 returns at once without torch.distributed. Rationale:
+proofs/custom_ops_notes.md, "Communication ops".
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -18,8 +17,7 @@ from . import _tickets
 from ._registry import OpSpec, Sample, register_op
 
 Group = dist.ProcessGroup | str
-# What an asynchronous op's `issue` returns: waits for its collectives, returns the results.
-Finish = Callable[[], list[Tensor]]
+Finish = Callable[[], list[Tensor]]  # what `issue` returns: waits, returns the results
 
 
 def _group(group: Group) -> dist.ProcessGroup:
@@ -48,14 +46,12 @@ def wait_all(works: Iterable) -> None:
             w.wait()
 
 
-# the tag of the pair reduce's transfers: apart from tag 0, which user code sends on
-PAIR_TAG = 0x6D75
+PAIR_TAG = 0x6D75  # the pair reduce's transfers: apart from tag 0, on which user code sends
 
 
 class PairReduce:
     """A sum onto one rank of a gloo group of two as one transfer, the same bits as a reduce:
-    the other rank sends `t`, the owner adds what it receives on `wait` (the pair reduce in
-    proofs/custom_ops_notes.md)."""
+    the other rank sends `t`, the owner adds what it receives on `wait`."""
 
     def __init__(self, t: Tensor, peer: int, pg: dist.ProcessGroup, owner: bool) -> None:
         self.t = t
@@ -77,17 +73,15 @@ class PairReduce:
 
 def _gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether `pg` runs collectives on tensors of `device` with gloo."""
-    backend = str(dist.get_backend(pg))
-    if ":" not in backend:  # one backend for every device
+    backend = str(dist.get_backend(pg))  # "gloo", or one per device: "cpu:gloo,cuda:nccl"
+    if ":" not in backend:
         return backend == "gloo"
-    table = dict(part.split(":") for part in backend.split(","))  # "cpu:gloo,cuda:nccl"
-    return table.get(device.type) == "gloo"
+    return dict(part.split(":") for part in backend.split(",")).get(device.type) == "gloo"
 
 
 def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
     """Issue the sum of `t` over `pg` onto group rank `dst`, in place there (other ranks' `t`
-    is left undefined, as dist.reduce leaves it); returns a work whose `wait` lands it. Over two
-    gloo ranks one transfer (`PairReduce`), else dist.reduce."""
+    undefined, as with dist.reduce); returns a work whose `wait` lands it."""
     if dist.get_world_size(pg) == 2 and t.device.type == "cpu" and _gloo(pg, t.device):
         me = dist.get_rank(pg)
         return PairReduce(t, dist.get_global_rank(pg, 1 - me), pg, owner=me == dst)
@@ -97,11 +91,8 @@ def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
 
 def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
     """The flattened `shapes` cut into one shape per tensor, tensor i having ndims[i] dims."""
-    out, i = [], 0
-    for nd in ndims:
-        out.append(list(shapes[i : i + nd]))
-        i += nd
-    return out
+    ends = itertools.accumulate(ndims)
+    return [list(shapes[end - nd : end]) for end, nd in zip(ends, ndims, strict=True)]
 
 
 def per_param(tensors: list[Tensor], shapes: list[int], ndims: list[int], routes: list[int]):
@@ -116,10 +107,11 @@ def new_empty(like: list[Tensor], shapes: list[int], ndims: list[int]) -> list[T
     return [t.new_empty(s) for t, s in zip(like, split_shapes(shapes, ndims), strict=True)]
 
 
-def define_collective(qualname: str, schema: str) -> None:
-    """torch.library.define for an op that issues collectives: never recomputed by graph
-    partitioners, never dead-code eliminated (proofs/custom_ops_notes.md)."""
-    torch.library.define(qualname, schema, tags=(torch.Tag.nondeterministic_seeded,))
+def define_collective(qualname: str, schema: str, *, seeded: bool = True) -> None:
+    """torch.library.define for an op that issues collectives: never dead-code eliminated and,
+    tagged `seeded`, never recomputed by graph partitioners."""
+    tags = (torch.Tag.nondeterministic_seeded,) if seeded else ()
+    torch.library.define(qualname, schema, tags=tags)
     ns, name = qualname.split("::")
     torch.fx.node.has_side_effect(getattr(getattr(torch.ops, ns), name).default)
 
@@ -132,14 +124,10 @@ def define_async(
     samples: Callable[[], Iterable[Sample]],
     start_args: str | None = None,
 ) -> None:
-    """Define and register the two forms of one collective operation from one `issue`.
-
-    `issue(*args)` issues the collectives asynchronously and returns the `Finish` that waits
-    for them. dmuon::<name> (schema `args` -> Tensor[]) runs it and returns the results;
-    dmuon::<name>_start (schema `start_args`, default `args`, -> Tensor) returns a ticket
-    (custom_ops._tickets) that dmuon::collective_wait redeems for the same results. `fake`:
-    dmuon::<name>'s fake. No autograd for either: the op files say why.
-    """
+    """Define and register both forms of one collective operation from `issue(*args)`, which
+    issues the collectives and returns the `Finish` that waits for them: dmuon::<name> (`args`
+    -> Tensor[], faked by `fake`) returns the results; dmuon::<name>_start (`start_args`, default
+    `args`, -> Tensor) returns a ticket that dmuon::collective_wait redeems for them."""
     blocking, start = f"dmuon::{name}", f"dmuon::{name}_start"
     define_collective(blocking, f"({args}) -> Tensor[]")
     define_collective(start, f"({start_args or args}) -> Tensor")

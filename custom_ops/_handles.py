@@ -1,12 +1,9 @@
-"""Handles: tensors that name a Python object to dmuon::gather_start / param_gather / param_reduce.
+"""Handles: tensors that name a Python `Handler` to dmuon::gather_start, param_gather, param_reduce.
 
-A handle is a one-element float64 CPU tensor whose value keys a registry of `Handler`s (dmuon_fn's
-object API: one per dedicated parameter's module slot, holding its owner, groups and pending
-publish). Every handle has the same metadata, so one compiled graph serves every block on every
-rank, and the ops stay opaque to tracing: the handler's code runs when the op runs
-(proofs/custom_ops_notes.md, "Handles"). A handle's `.grad` is set by autograd whenever backward
-reaches the gather of the parameter it names. The registry holds handlers weakly: a handler
-lives as long as its owner keeps it.
+A handle is a (1,) float64 CPU tensor whose value keys a registry of handlers (dmuon_fn's object
+API: one per dedicated parameter's module slot). Every handle has the same metadata, so one
+compiled graph serves every block on every rank. `handle.grad` is set whenever backward reaches
+the gather it names. Handlers are held weakly (proofs/custom_ops_notes.md, "Handles").
 """
 
 from __future__ import annotations
@@ -20,17 +17,13 @@ from torch import Tensor
 
 
 class Handler(Protocol):
-    def start(self) -> None:
-        """Issue the gathers of the handler's unit (dmuon::gather_start), returning at once."""
-        ...
+    """start(): issue the gathers of the handler's unit, returning at once. gather(): the
+    parameter's full value on this rank (a collective on every rank of its group). reduce(grad):
+    sum the full-shape gradient of the gathered value onto the owner."""
 
-    def gather(self) -> Tensor:
-        """The parameter's full value on this rank (a collective on every rank of its group)."""
-        ...
-
-    def reduce(self, grad: Tensor) -> None:
-        """Sum `grad` (the full-shape gradient of the gathered value) onto the owner."""
-        ...
+    def start(self) -> None: ...
+    def gather(self) -> Tensor: ...
+    def reduce(self, grad: Tensor) -> None: ...
 
 
 _HANDLERS: weakref.WeakValueDictionary[int, Handler] = weakref.WeakValueDictionary()
@@ -55,8 +48,7 @@ def handler(handle: Tensor) -> Handler:
 
 
 class SampleHandler:
-    """Single-process handler (the contract test's samples): gathers `value`, sums gradients
-    into `grad`."""
+    """Single-process handler of the contract test's samples: gathers `value`, sums into `grad`."""
 
     def __init__(self, value: Tensor) -> None:
         self.value, self.grad, self.started = value, torch.zeros_like(value), 0
@@ -76,8 +68,7 @@ _SAMPLES: list[SampleHandler] = []  # kept here: the registry holds handlers wea
 
 
 def sample_handlers() -> list[SampleHandler]:
-    """The contract test's handlers (fp32 and bf16, 2-D and 3-D), made once and shared by the
-    samples of dmuon::param_gather and dmuon::param_reduce."""
+    """The samples' handlers (fp32 2-D, bf16 3-D), made once, shared by the handle ops."""
     if not _SAMPLES:
         g = torch.Generator().manual_seed(5)
         _SAMPLES.extend(

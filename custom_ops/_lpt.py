@@ -1,23 +1,9 @@
-"""Owner scheduling in plain Python: LPT, refinement, layer spreading and byte balance.
+"""Owner scheduling in plain Python, behind `dmuon::lpt_partition` and `dmuon_fn.partition`.
 
-The one implementation behind `dmuon::lpt_partition` and the planner `dmuon_fn.partition`
-(proofs/partition.md). Items 0..n-1 have a cost (compute), a group (a layer; -1 for none) and a
-byte count. Slots 0..S-1 form R replicas of G = S / R shard columns: slot s is shard s % G of
-replica s // G, so ties, broken by the lowest slot, fill different shard columns first.
-
-    1. plain LPT: items by (cost descending, index), each to the slot of least (load, index).
-    2. refine: exchanges between the heaviest slot and the _WIDTH lightest (a move, a swap, or
-       a one-for-two trade) that bring both below the heaviest load.
-    3. spread: at most ⌈k/G⌉ items of a k-item group per shard column, ⌈k/S⌉ per slot.
-       A = step 2's schedule (makespan M_A), then exchanges that each remove an excess item
-       while every slot stays <= M_A; B = LPT within the caps, refined within them. B is kept
-       if no slower than A, or if A keeps some excess and B is within `spread_limit`.
-    4. bytes: exchanges between the shard column with the most bytes and the lightest ones,
-       every slot <= the makespan, no excess added, until the fullest column is within
-       BYTES_SLACK of the mean.
-
-Runs on exact integers (`exact`); every choice is a deterministic function of the values in
-index order, and callers pass items in name order.
+Items 0..n-1 have a cost, a group (a layer; -1 for none) and a byte count. Slots 0..S-1 form R
+replicas of G = S / R shard columns: slot s is shard s % G of replica s // G. Steps: 1. LPT,
+2. refine, 3. spread each group over the columns, 4. balance column bytes; on exact integers,
+every choice deterministic in index order (proofs/custom_ops_notes.md, proofs/partition.md).
 """
 
 from __future__ import annotations
@@ -30,26 +16,19 @@ from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 
-# Lightest slots (or columns) each refinement round tries against the heaviest.
-_WIDTH = 16
-# Lightest shard columns each byte-balance round tries against the fullest (each has R slots).
-_COL_WIDTH = 2
-# Concrete (a, b) pairs tried per pair of interchangeable classes before giving up on it.
-_TRIES = 8
-
-# Makespan the spread schedule may cost over the refined plain one (step 3).
-SPREAD_TOLERANCE = 0.01
-# Step 4 stops once the fullest shard column holds at most this fraction above the mean bytes.
-BYTES_SLACK = Fraction(1, 100)
-# Two-item bundles only in slots of at most this many (cost, bytes) classes.
-_PAIR_CLASSES = 12
+_WIDTH = 16  # lightest slots (or columns) each refinement round tries against the heaviest
+_COL_WIDTH = 2  # lightest shard columns each byte-balance round tries against the fullest
+_TRIES = 8  # concrete (a, b) pairs tried per pair of interchangeable classes
+_PAIR_CLASSES = 12  # two-item bundles only in slots of at most this many (cost, bytes) classes
+SPREAD_TOLERANCE = 0.01  # makespan the spread schedule may cost over the refined plain one
+BYTES_SLACK = Fraction(1, 100)  # step 4 stops with the fullest column this far above the mean
 
 # (cost sum, bytes sum, item lists): 0-2 items of one slot, taken by (cost, bytes) class.
 Bundle = tuple[int, int, tuple[list[int], ...]]
 
 
 def exact(values: Sequence[float]) -> tuple[list[int], int]:
-    """Integers q and a power of two den with values[i] == q[i] / den exactly."""
+    """(q, den): integers q and a power of two den with values[i] == q[i] / den exactly."""
     ratios = [float(v).as_integer_ratio() for v in values]
     den = max((d for _, d in ratios), default=1)  # every denominator is a power of two
     return [p * (den // d) for p, d in ratios], den
@@ -63,7 +42,7 @@ def slot_loads(costs: Sequence[int], owners: Sequence[int], num_slots: int) -> l
 
 
 def lpt(costs: Sequence[int], num_slots: int) -> list[int]:
-    """Plain LPT: owners[i] in [0, num_slots)."""
+    """Plain LPT (step 1): owners[i] in [0, num_slots)."""
     return _greedy(costs, num_slots, None)
 
 
@@ -86,15 +65,13 @@ class Spread:
             self.slot[g, s] += n
             self.col[g, s % self.columns] += n
 
-    def fits(self, i: int, dst: int, src: int = -1) -> bool:
-        """Whether item i may go to slot dst (from slot src; -1: unplaced) within the caps."""
+    def fits(self, i: int, dst: int) -> bool:
+        """Whether unplaced item i may go to slot dst within the caps."""
         g = self.groups[i]
-        if g < 0:
-            return True
-        if self.slot[g, dst] >= self.cap_slot[g]:
-            return False
-        c = dst % self.columns
-        return (src >= 0 and src % self.columns == c) or self.col[g, c] < self.cap_col[g]
+        return g < 0 or (
+            self.slot[g, dst] < self.cap_slot[g]
+            and self.col[g, dst % self.columns] < self.cap_col[g]
+        )
 
     def over(self, i: int, s: int) -> bool:
         """Whether item i sits in slot s beyond its group's slot or column cap."""
@@ -129,11 +106,8 @@ def _greedy(costs: Sequence[int], num_slots: int, spread: Spread | None) -> list
 
 
 class _State:
-    """An assignment with its slot loads, members and column bytes, changed by exchanges.
-
-    An exchange moves items A from slot src to dst and items B from dst to src (|A| in 1..2,
-    |B| in 0..2, |A| + |B| <= 3): moves, swaps, and one-for-two trades.
-    """
+    """An assignment with its slot loads, members and column bytes. An exchange moves items A
+    from slot src to dst and B from dst to src (|A| in 1..2, |B| in 0..2, |A| + |B| <= 3)."""
 
     def __init__(self, costs, nbytes, owners, num_slots, columns, spread) -> None:
         self.costs, self.nbytes, self.columns, self.spread = costs, nbytes, columns, spread
@@ -148,14 +122,14 @@ class _State:
     def half_gap(self, src: int, dst: int) -> int:  # the cost that evens the two slots out
         return (self.loads[src] - self.loads[dst]) // 2
 
-    def bundles(self, s: int, most: int) -> list[Bundle]:
-        """Up to `most` items of slot s, by (cost, bytes) class: (cost, bytes, item lists)."""
+    def bundles(self, s: int) -> list[Bundle]:
+        """One or two items of slot s, by (cost, bytes) class: (cost, bytes, item lists)."""
         classes: dict[tuple[int, int], list[int]] = {}
         for i in sorted(self.members[s]):
             classes.setdefault((self.costs[i], self.nbytes[i]), []).append(i)
         cls = list(classes.items())
         out = [(c, b, (xs,)) for (c, b), xs in cls]
-        if most >= 2 and len(cls) <= _PAIR_CLASSES:
+        if len(cls) <= _PAIR_CLASSES:
             for j, ((c1, b1), x1) in enumerate(cls):
                 for (c2, b2), x2 in cls[j:]:
                     if x1 is not x2 or len(x1) > 1:
@@ -163,16 +137,13 @@ class _State:
         return out
 
     def best(self, srcs, dsts, axis: int, center, score, strict: bool = False):
-        """Lowest-scoring exchange: (score, src, A, dst, B), or None.
-
-        srcs: [(slot, bundles)]. For each (src, dst) and A bundle, the B bundles are walked
-        outward from the value (cost if axis 0, bytes if 1) A - center(src, dst); `score` must
-        not decrease along each direction of that walk (V-shaped around it) or return None to
-        skip. An exchange must not raise the spread excess (with `strict`, must lower it).
-        """
+        """Lowest-scoring exchange (score, src, A, dst, B) or None. srcs: [(slot, bundles)]; B
+        bundles are walked outward from A's cost (axis 0) or bytes (1) - center(src, dst), along
+        which `score` (None: skip) must not decrease. Never raises the spread excess (strict:
+        lowers it)."""
         best = None
         for dst in dsts:
-            bs = sorted([(0, 0, ()), *self.bundles(dst, 2)], key=lambda x: (x[axis], x[:2]))
+            bs = sorted([(0, 0, ()), *self.bundles(dst)], key=lambda x: (x[axis], x[:2]))
             vals = [x[axis] for x in bs]
             for src, src_bundles in srcs:
                 if src == dst:
@@ -196,7 +167,7 @@ class _State:
         return best
 
     def _concrete(self, src, xa, dst, xb, strict):
-        """The first items (index order) of the classes xa, xb whose exchange the caps allow."""
+        """The first items of the classes xa, xb whose exchange the caps allow."""
         for t, (A, B) in enumerate(itertools.product(_picks(xa), _picks(xb))):
             if t >= _TRIES:
                 return None
@@ -218,11 +189,9 @@ class _State:
                     delta[True, g, to % cols] += 1
         before = after = 0
         for (is_col, g, x), d in delta.items():
-            count, cap = (
-                (sp.col[g, x], sp.cap_col[g]) if is_col else (sp.slot[g, x], sp.cap_slot[g])
-            )
-            before += max(0, count - cap)
-            after += max(0, count + d - cap)
+            counts, caps = (sp.col, sp.cap_col) if is_col else (sp.slot, sp.cap_slot)
+            before += max(0, counts[g, x] - caps[g])
+            after += max(0, counts[g, x] + d - caps[g])
         return after < before or (after == before and not strict)
 
     def apply(self, src: int, A, dst: int, B) -> None:
@@ -264,7 +233,7 @@ def refine(st: _State, max_rounds: int) -> None:
             new = max(top - d, st.loads[dst] + d)
             return new if d > 0 and new < top else None
 
-        best = st.best([(h, st.bundles(h, 2))], _lightest(st.loads, top), 0, st.half_gap, score)
+        best = st.best([(h, st.bundles(h))], _lightest(st.loads, top), 0, st.half_gap, score)
         if best is None:
             return
         st.apply(*best[1:])
@@ -315,7 +284,7 @@ def balance_bytes(st: _State, max_rounds: int) -> None:
         def center(src, dst, top=top):
             return (top - st.col_bytes[dst % cols]) // 2
 
-        srcs = [(s, st.bundles(s, 2)) for s in range(hc, S, cols)]
+        srcs = [(s, st.bundles(s)) for s in range(hc, S, cols)]
         dsts = [s for c in _lightest(st.col_bytes, top)[:_COL_WIDTH] for s in range(c, S, cols)]
         best = st.best(srcs, dsts, 1, center, score)
         if best is None:
@@ -323,20 +292,13 @@ def balance_bytes(st: _State, max_rounds: int) -> None:
         st.apply(*best[1:])
 
 
-def lower_bound(costs: Sequence[int], num_slots: int) -> Fraction:
-    """max(total/S, p1, p_S + p_{S+1}) with p sorted descending: no schedule is shorter."""
-    p = sorted(costs, reverse=True)
-    lb = max(Fraction(sum(p), num_slots), Fraction(p[0] if p else 0))
-    return max(lb, Fraction(p[num_slots - 1] + p[num_slots])) if len(p) > num_slots else lb
-
-
-def spread_limit(m0: int, m_a: int, lb: Fraction, num_slots: int, tolerance: float) -> Fraction:
-    """Largest makespan at which the spread schedule B is kept (step 3).
-
-    max(M0, min((1 + tolerance)·M_A, (4/3 − 1/(3S))·LB)): never above the LPT guarantee
-    (LB <= OPT), and at most `tolerance` above the refined plain schedule's makespan M_A.
-    """
-    graham = Fraction(4 * num_slots - 1, 3 * num_slots) * lb
+def spread_limit(q: Sequence[int], m0: int, m_a: int, S: int, tolerance: float) -> Fraction:
+    """Largest makespan at which step 3 keeps schedule B: max(M0, min((1 + tolerance)·M_A,
+    (4/3 − 1/(3S))·LB)), LB = max(total/S, p1, p_S + p_{S+1}) <= OPT, p sorted descending."""
+    p = sorted(q, reverse=True)
+    lb = max(Fraction(sum(p), S), Fraction(p[0] if p else 0))
+    lb = max(lb, Fraction(p[S - 1] + p[S])) if len(p) > S else lb
+    graham = Fraction(4 * S - 1, 3 * S) * lb
     return max(Fraction(m0), min((1 + Fraction(tolerance)) * m_a, graham))
 
 
@@ -351,9 +313,7 @@ def schedule(
     spread_tolerance: float = SPREAD_TOLERANCE,
 ) -> list[int]:
     """Owner slot in [0, num_slots) of each item: steps 1-4 (`refined=False`: step 1 only).
-
-    costs, nbytes: finite and >= 0. groups: a group id >= 0 or -1 per item.
-    """
+    costs, nbytes: finite and >= 0; groups: a group id >= 0 or -1 per item."""
     n = len(costs)
     if num_slots < 1 or replicate < 1 or num_slots % replicate:
         raise ValueError(
@@ -391,7 +351,7 @@ def schedule(
             st = state(st.owners, sp_a)
             repair(st, rounds)
             m0 = max(slot_loads(q, base, num_slots))
-            limit = spread_limit(m0, m_a, lower_bound(q, num_slots), num_slots, spread_tolerance)
+            limit = spread_limit(q, m0, m_a, num_slots, spread_tolerance)
             if sp_a.excess() > 0 and max(st_b.loads) <= limit:
                 st = st_b
     if nbytes is not None:

@@ -1,8 +1,7 @@
-"""The registry of every `torch.ops.dmuon` op and its sample inputs, and the ops' shared vmap rule.
+"""The registry of every `torch.ops.dmuon` op with its sample inputs, and the ops' vmap rule.
 
-Each op file calls `register_op` once, right after defining the op. The single contract test
-(`tests/test_op_contract.py`) walks this registry, so an op is covered by `opcheck`,
-FakeTensorMode and `torch.compile(fullgraph=True)` the moment it is registered.
+Each op file calls `register_op` once; tests/test_op_contract.py runs opcheck, FakeTensorMode and
+`torch.compile(fullgraph=True)` over every registered op's samples.
 """
 
 from __future__ import annotations
@@ -18,16 +17,9 @@ Sample = tuple[tuple[Any, ...], dict[str, Any]]
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One registered op.
-
-    name: qualified name, e.g. "dmuon::syrk".
-    op: the `torch.ops.dmuon.<name>` overload packet.
-    samples: returns fresh (args, kwargs) pairs covering the op's cases (dtypes, batching,
-        optional arguments). Called anew for every check so no check sees another's tensors.
-    differentiable: whether an autograd formula is registered (else the op file says why not).
-    ticket: the op returns a ticket (custom_ops._tickets): its results are what redeeming it
-        gives, and each call's ticket value is new.
-    """
+    """name: "dmuon::<op>"; op: its `torch.ops.dmuon` packet; samples: fresh (args, kwargs)
+    pairs on every call; differentiable: whether autograd is registered; ticket: the op returns
+    a ticket (custom_ops._tickets), new on every call, its results what redeeming it gives."""
 
     name: str
     op: Callable[..., Any]
@@ -51,22 +43,20 @@ def registered_ops() -> list[OpSpec]:
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
 
-def _batch_first(x: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
-    if x is None:
-        return None
-    if bdim is None:
-        return x.unsqueeze(0).expand(size, *x.shape)
-    return x.movedim(bdim, 0)
-
-
 def register_batched_vmap(op, tensors: int, out_dims: Any) -> None:
-    """vmap for a custom op that already batches over leading dims: its first `tensors`
-    arguments (Tensor or None) get the vmapped dim in front (an unbatched one expanded along
-    it), and the op runs once."""
+    """vmap for an op that batches over leading dims: its first `tensors` arguments (Tensor or
+    None) get the vmapped dim in front (an unbatched one expanded), and the op runs once."""
+
+    def front(x: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
+        if x is None:
+            return None
+        if bdim is None:
+            return x.unsqueeze(0).expand(size, *x.shape)
+        return x.movedim(bdim, 0)
 
     def rule(info, in_dims, *args):
         batched = zip(args[:tensors], in_dims[:tensors], strict=True)
-        lead = [_batch_first(x, d, info.batch_size) for x, d in batched]
+        lead = [front(x, d, info.batch_size) for x, d in batched]
         return op(*lead, *args[tensors:]), out_dims
 
     op.register_vmap(rule)

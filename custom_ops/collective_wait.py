@@ -1,12 +1,10 @@
-"""dmuon::collective_wait — the results of an asynchronous collective op, once it has landed.
+"""dmuon::collective_wait — the results of an asynchronous collective op, once landed.
 
-ticket: what a start op (dmuon::owner_broadcast_start, dmuon::two_stage_reduce_start) returned,
-redeemed once; like[i]: a tensor of output i's dtype and device (0-size will do); shapes/ndims:
-the outputs' shapes, flattened as in dmuon::owner_broadcast; `after`: orders the wait after the
-computation the collectives overlap. Returns the outputs, in order.
-
-No autograd: it ends an operation that has none. Side-effectful: a rank that drops its result
-must still wait for (and free) the collectives.
+ticket: what a dmuon::*_start op returned, redeemed once; like[i]: a tensor (0-size will do) of
+output i's dtype and device; shapes/ndims: the outputs' shapes, flattened as in
+dmuon::owner_broadcast; `after` orders the wait after the computation the collectives overlap.
+Returns the outputs in order. No autograd. Side-effectful: a rank that drops the result must
+still wait for the collectives.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """dmuon::gram_ns_step — one Newton-Schulz step carried out in Gram space.
 
-With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every Q_k and R_k is a polynomial in R_0, so every product
-below is of commuting symmetric matrices: symmetric, computed by the SYRK kernels. The step
-polynomial is P = a·I + Z with Z = b·R + c·R², and Q is carried as q·I + Q_z: the identity parts
-stay exact Python floats and enter each product through the GEMM's fp32 `beta` accumulation,
-never rounded into a bf16 diagonal (proofs/custom_ops_notes.md, "Gram step").
-
+With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every product below is of commuting symmetric matrices
+(polynomials in R_0), computed by the SYRK kernels. P = a·I + Z, Q = q·I + Q_z: the identity
+parts stay exact floats in the GEMMs' fp32 `beta` (proofs/custom_ops_notes.md, "Gram step").
     Z    = b·R + c·R²                       (syrk of R with C = R)
     Q_z' = Z·Q_z + a·Q_z + q·Z              (q·Z when Q_z is None, i.e. Q = q·I)
     R'   = Z·T + a·T,  T = Z·R + a·R        (P·R·P; only when `update_r`)
-so that Q' = (a·q)·I + Q_z'. R: (..., n, n); Q_z: (..., n, n) or None. Returns (Q_z', R'); when
-`update_r` is False R' is a (..., 0, 0) placeholder (the last step of a segment never uses it).
-
-No autograd: like dmuon::ns_step, this computes an optimizer update and is never differentiated.
+so that Q' = (a·q)·I + Q_z'. R: (..., n, n); Q_z: (..., n, n) or None. Returns (Q_z', R'), R' a
+(..., 0, 0) placeholder when not `update_r`. No autograd: an optimizer update, as ns_step.
 """
 
 from __future__ import annotations
@@ -85,6 +80,4 @@ def _samples():
     yield (gram(600, 700, dtype=torch.bfloat16), None, 3.4445, -4.7750, 2.0315), {}
 
 
-register_op(
-    OpSpec("dmuon::gram_ns_step", torch.ops.dmuon.gram_ns_step, _samples, differentiable=False)
-)
+register_op(OpSpec("dmuon::gram_ns_step", torch.ops.dmuon.gram_ns_step, _samples, False))

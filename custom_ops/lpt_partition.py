@@ -1,12 +1,10 @@
 """dmuon::lpt_partition — owner slot of each scheduling unit, by the planner's algorithm.
 
-costs: (n,) real, finite, >= 0 (FLOPs per unit). world_size: number of slots S (an explicit
-int: the fake needs no process group). groups: (n,) int64 layer id per unit, -1 for none;
-nbytes: (n,) real bytes per unit. replicate_size: R dividing S (slot s is shard s % (S/R) of
-replica s // (S/R)). Returns (n,) int64 owner slots in [0, S), on costs' device, computed on the
-host by `custom_ops._lpt.schedule`, the function `dmuon_fn.partition` runs.
-
-No autograd: the output is integer slot indices, piecewise constant in the costs.
+costs: (n,) real, finite, >= 0 (FLOPs per unit); world_size: the slot count S (an int: the fake
+needs no process group); groups: (n,) int64 layer id per unit, -1 for none; nbytes: (n,) real
+bytes per unit; replicate_size: R dividing S. Returns (n,) int64 slots in [0, S) on costs'
+device, computed on the host by `custom_ops._lpt.schedule` (as `dmuon_fn.partition`).
+No autograd: integer slots, piecewise constant in the costs.
 """
 
 from __future__ import annotations
@@ -75,6 +73,4 @@ def _samples():
     yield (torch.tensor([3.0, 3.0, 2.0, 2.0, 2.0]), 2), {}  # Graham's tight case: 7 -> 6
 
 
-register_op(
-    OpSpec("dmuon::lpt_partition", torch.ops.dmuon.lpt_partition, _samples, differentiable=False)
-)
+register_op(OpSpec("dmuon::lpt_partition", torch.ops.dmuon.lpt_partition, _samples, False))

@@ -1,13 +1,10 @@
 """dmuon::ns_step — one standard quintic Newton-Schulz step on SYRK.
 
-X: (..., n, m) with n <= m (the caller transposes tall matrices).
+X: (..., n, m) with n <= m (the caller transposes tall matrices). Returns X' in X's shape and dtype:
     A  = X·Xᵀ                     (syrk)
     B  = b·A + c·A²               (syrk of the symmetric A, with C = A)
     X' = a·X + B·X                (one full GEMM)
-Returns X' (..., n, m) in X's dtype.
-
-No autograd: the step computes an optimizer update, applied under no_grad; nothing
-differentiates through it (gradients of the reference math are plain torch ops).
+No autograd: the step computes an optimizer update under no_grad.
 """
 
 from __future__ import annotations
@@ -57,4 +54,4 @@ def _samples():
     yield ((x / x.norm()).bfloat16(), 3.4445, -4.7750, 2.0315), {}
 
 
-register_op(OpSpec("dmuon::ns_step", torch.ops.dmuon.ns_step, _samples, differentiable=False))
+register_op(OpSpec("dmuon::ns_step", torch.ops.dmuon.ns_step, _samples, False))

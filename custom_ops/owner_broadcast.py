@@ -1,16 +1,12 @@
 """dmuon::owner_broadcast(_start) — each parameter's full tensor, from its owner, on every rank.
 
-locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder elsewhere.
-shapes: the full shapes, flattened, with ndims[i] entries for parameter i.
-routes: 6 ints per parameter, (src, is_src, group_size, rep_src, is_rep_src, rep_size): the
-source's rank in `group` (a process-group name) and whether this rank is it; the last three
-are for the transpose, dmuon::two_stage_reduce. `after` is read by nobody: it orders the call.
-dmuon::owner_broadcast returns the full tensors, in order; dmuon::owner_broadcast_start issues
-the same broadcasts and returns a ticket for dmuon::collective_wait. One call carries every
-parameter, broadcast in one fixed order on every rank.
-
-No autograd: the step gathers outside the differentiated function and reduces the gradients of
-the gathered tensors with dmuon::two_stage_reduce afterwards (dmuon_fn.functional._step).
+locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder elsewhere; shapes:
+the full shapes, flattened, ndims[i] entries for parameter i; routes: 6 ints per parameter,
+(src, is_src, group_size, rep_src, is_rep_src, rep_size), src a rank of `group` (a process-group
+name), the last three for dmuon::two_stage_reduce; `after` only orders the call. Returns the full
+tensors, in order (the _start form: a ticket for dmuon::collective_wait). One call broadcasts
+every parameter in one fixed order. No autograd: the step reduces the gathered tensors'
+gradients with dmuon::two_stage_reduce (dmuon_fn.functional._step).
 """
 
 from __future__ import annotations
@@ -21,14 +17,7 @@ from torch import Tensor
 from ._collectives import Finish, broadcast_start, define_async, new_empty, per_param, wait_all
 
 
-def _issue(
-    locals: list[Tensor],
-    shapes: list[int],
-    ndims: list[int],
-    routes: list[int],
-    group: str,
-    after: list[Tensor] | None = None,
-) -> Finish:
+def _issue(locals, shapes, ndims, routes, group, after=None) -> Finish:
     bufs, works = [], []
     for local, shape, (src, is_src, size, *_) in per_param(locals, shapes, ndims, routes):
         bufs.append(local.clone() if is_src else local.new_empty(shape))

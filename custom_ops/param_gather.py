@@ -1,12 +1,9 @@
 """dmuon::param_gather — a dedicated parameter's full value, from its owner, on this rank.
 
-handle: a handle (custom_ops._handles) naming the parameter; shape, dtype, device: the full
-value's, the same on every rank. Returns that value; the handler runs the broadcast from the
-owner (a collective on every rank of the group, in the same order). Autograd: the output's
-gradient goes to dmuon::param_reduce (the broadcast's transpose, a sum onto the owner), and the
-handle's gradient is what that op returns, so `handle.grad` marks that backward reached here.
-Side-effectful, not tagged nondeterministic_seeded: Z3 recomputes it in backward
-(proofs/custom_ops_notes.md).
+handle: names the parameter (custom_ops._handles); shape, dtype, device: the full value's, the
+same on every rank. The handler runs the broadcast from the owner (a collective on every rank of
+the group). Autograd: the gradient goes to dmuon::param_reduce, whose result is the handle's
+gradient. Side-effectful, not tagged seeded: Z3 recomputes it (proofs/custom_ops_notes.md).
 """
 
 from __future__ import annotations
@@ -15,12 +12,14 @@ import torch
 from torch import Tensor
 
 from . import _handles
+from ._collectives import define_collective
 from ._registry import OpSpec, register_op
 
-torch.library.define(
-    "dmuon::param_gather", "(Tensor handle, int[] shape, ScalarType dtype, Device device) -> Tensor"
+define_collective(
+    "dmuon::param_gather",
+    "(Tensor handle, int[] shape, ScalarType dtype, Device device) -> Tensor",
+    seeded=False,
 )
-torch.fx.node.has_side_effect(torch.ops.dmuon.param_gather.default)
 
 
 @torch.library.impl("dmuon::param_gather", "CompositeExplicitAutograd")

@@ -1,11 +1,9 @@
 """dmuon::param_reduce — sum a dedicated parameter's gradient onto its owner.
 
-grad: the full-shape gradient of what dmuon::param_gather returned; handle: the same handle.
-The handler runs the reduction (a collective on every rank of the group) and leaves the result
-where the owner keeps it (dmuon_fn: the global owner's `param.grad`). Returns ones shaped like
-the handle: the handle's gradient.
-
-No autograd: it is the backward of dmuon::param_gather; nothing differentiates it again.
+grad: the full-shape gradient of what dmuon::param_gather returned for `handle`. The handler runs
+the reduction (a collective on every rank of the group) and leaves the result where the owner
+keeps it (dmuon_fn: the global owner's `param.grad`). Returns ones shaped like the handle (the
+handle's gradient). No autograd: it is dmuon::param_gather's backward.
 """
 
 from __future__ import annotations
@@ -18,17 +16,13 @@ from ._collectives import define_collective
 from ._registry import OpSpec, register_op
 
 define_collective("dmuon::param_reduce", "(Tensor grad, Tensor handle) -> Tensor")
+torch.library.register_fake("dmuon::param_reduce")(lambda grad, handle: torch.empty_like(handle))
 
 
 @torch.library.impl("dmuon::param_reduce", "CompositeExplicitAutograd")
 def param_reduce(grad: Tensor, handle: Tensor) -> Tensor:
     _handles.handler(handle).reduce(grad)
     return torch.ones_like(handle)
-
-
-@torch.library.register_fake("dmuon::param_reduce")
-def _(grad, handle):
-    return torch.empty_like(handle)
 
 
 def _samples():

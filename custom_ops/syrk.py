@@ -1,10 +1,8 @@
 """dmuon::syrk — alpha·A·Aᵀ + beta·C with a symmetric result.
 
-A: (..., n, k); C: (..., n, n), must be symmetric. Returns (..., n, n) in A's dtype: exactly
-symmetric where the kernel mirrors a computed triangle (the CPU strips: outside their diagonal
-blocks, which are each one GEMM's output), symmetric to rounding where one GEMM computes it.
-`impl` names a kernel of `custom_ops.KERNELS` ("auto" resolves per device, honouring
-$DMUON_NS_KERNEL).
+A: (..., n, k); C: (..., n, n) symmetric, A's dtype, or None. Returns (..., n, n) in A's dtype,
+exactly symmetric where the kernel mirrors a triangle, to rounding where one GEMM computes it.
+`impl`: a kernel of `custom_ops.KERNELS` ("auto" resolves per device, honouring $DMUON_NS_KERNEL).
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    # out = alpha·A·Aᵀ + beta·C: dA = alpha·(G + Gᵀ)·A and dC = beta·G, the gradient of the
-    # math for the symmetric C the op requires (every kernel computes the same function there).
+    # dA = alpha·(G + Gᵀ)·A, dC = beta·G: the gradient for the symmetric C (proofs/syrk.md)
     (A,) = ctx.saved_tensors
     grad_a = torch.matmul(grad + grad.mT, A) * ctx.alpha
     grad_c = grad * ctx.beta if ctx.has_c else None
@@ -58,8 +55,6 @@ def _backward(ctx, grad):
 
 
 syrk.register_autograd(_backward, setup_context=_setup_context)
-
-
 register_batched_vmap(syrk, 2, 0)
 
 
@@ -81,4 +76,4 @@ def _samples():
     yield (r(6, 4),), {"impl": "torch_mm"}
 
 
-register_op(OpSpec("dmuon::syrk", torch.ops.dmuon.syrk, _samples, differentiable=True))
+register_op(OpSpec("dmuon::syrk", torch.ops.dmuon.syrk, _samples, True))

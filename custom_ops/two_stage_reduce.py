@@ -1,15 +1,10 @@
 """dmuon::two_stage_reduce(_start) — sum full-shape gradients onto their owners, in two stages.
 
-For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group` onto rank
-src; on that rank (the local owner), stage 2 sums over `rep_group` onto rep_src (the global
-owner) when rep_size > 1 (HSDP). The global owner gets scale·Σ over all G·R ranks; every other
-rank gets zeros shaped like its local slot (`local_shapes`: full on local owners, 0-size
-elsewhere). The gradients are copied when issued, so the caller's can go at once.
-dmuon::two_stage_reduce returns the results; dmuon::two_stage_reduce_start (with `after`)
-issues stage 1 and returns a ticket: dmuon::collective_wait on it waits for stage 1, runs
-stage 2 and returns the same results.
-
-No autograd: it transposes the gather for the step's gradient; nothing differentiates it.
+For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group` onto src; on
+src, stage 2 sums over `rep_group` onto rep_src when rep_size > 1 (HSDP). The global owner gets
+scale·Σ over all ranks, every other rank zeros of its `local_shapes` slot (full on local owners,
+0-size elsewhere). The gradients are copied when issued. The _start form (with `after`) issues
+stage 1; dmuon::collective_wait runs stage 2. No autograd: nothing differentiates it.
 """
 
 from __future__ import annotations
@@ -25,16 +20,7 @@ _ARGS = (
 )
 
 
-def _issue(
-    fulls: list[Tensor],
-    local_shapes: list[int],
-    ndims: list[int],
-    routes: list[int],
-    group: str,
-    rep_group: str,
-    scale: float,
-    after: list[Tensor] | None = None,
-) -> Finish:
+def _issue(fulls, local_shapes, ndims, routes, group, rep_group, scale, after=None) -> Finish:
     rows = []  # never the caller's gradients: they can go at once
     for full, shape, (src, is_src, size, *rep) in per_param(fulls, local_shapes, ndims, routes):
         buf = full.contiguous().clone()

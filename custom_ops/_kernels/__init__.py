@@ -1,14 +1,10 @@
-"""SYRK kernels: the symmetric-output products behind `dmuon::syrk` and the Newton-Schulz steps.
+"""SYRK kernels behind `dmuon::syrk` and the Newton-Schulz steps, as plain data in `KERNELS`.
 
-Every kernel's `sym_mm(A, B, C, alpha, beta)` is alpha·A·B + beta·C for A: (..., n, k),
-B: (..., k, n), C: (..., n, n) symmetric or None, a product known to be symmetric (B = Aᵀ, or
-two commuting symmetric matrices in the Gram iteration), in A's dtype: exactly symmetric where
-it computes one triangle and mirrors it, symmetric to rounding where one GEMM computes it all.
-
-Kernels are plain data in `KERNELS`, by backend: `cpu.py` (torch GEMMs), `cute/` (the own CuTe
-DSL kernel), `quack.py`. `resolve_kernel` picks one per device: explicit name >
-$DMUON_NS_KERNEL > the device's auto ladder. No mutable "active kernel": the resolved name
-travels as an argument of every op call. The CUDA kernels import their DSLs lazily.
+`sym_mm(A, B, C, alpha, beta)` = alpha·A·B + beta·C in A's dtype, for A: (..., n, k), B: (..., k, n)
+with A·B symmetric (B = Aᵀ, or commuting symmetric matrices), C: (..., n, n) symmetric or None:
+exactly symmetric where a kernel mirrors a triangle, to rounding where one GEMM computes it.
+`resolve_kernel` picks one per device (explicit name > $DMUON_NS_KERNEL > the device's auto
+ladder); the resolved name travels as an op argument. CUDA kernels import their DSLs lazily.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ SymMM = Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
 
 
 def _tensor_core(triangle: SymMM) -> SymMM:
-    """A tensor-core triangle kernel for fp16/bf16 operands; fp32/fp64 operands (which these
-    kernels do not take), empty shapes and alpha = 0 go through one cuBLAS GEMM (`full_mm`)."""
+    """`triangle` for fp16/bf16 operands; other dtypes, empty shapes and alpha = 0: `full_mm`."""
 
     def sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
         if A.dtype in (torch.float16, torch.bfloat16) and A.numel() > 0 and alpha != 0.0:
@@ -54,57 +49,33 @@ class Kernel:
 
 def _on(*types: str) -> Callable[[torch.device], tuple[bool, str]]:
     def check(device: torch.device) -> tuple[bool, str]:
-        if device.type in types:
-            return True, ""
-        return False, f"runs on {'/'.join(types)} only, not {device.type}"
+        ok = device.type in types
+        return ok, "" if ok else f"runs on {'/'.join(types)} only, not {device.type}"
 
     return check
 
 
-KERNELS: dict[str, Kernel] = {
-    k.name: k
-    for k in (
-        Kernel("cpu_syrk", ("cpu",), "blocked lower-triangle GEMM strips", cpu_blocked, _on("cpu")),
-        Kernel(
-            "quack",
-            ("cuda",),
-            "quack gemm_symmetric triangle SYRK; fp32/fp64 via cuBLAS",
-            _tensor_core(quack.sym_mm),
-            quack.available,
-        ),
-        Kernel(
-            "cute_sm80",
-            ("cuda",),
-            "CuTe DSL triangle SYRK; fp32/fp64 via cuBLAS",
-            _tensor_core(cute.triangle_sym_mm),
-            cute.cute_available,
-        ),
-        Kernel("cublas", ("cuda",), "universal fallback, full GEMM", full_mm, _on("cuda")),
-        Kernel(
-            "torch_mm",
-            ("cpu", "cuda", "meta"),
-            "full GEMM through torch.matmul, no symmetry saving",
-            full_mm,
-            lambda device: (True, ""),
-        ),
-    )
-}
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    Kernel("cpu_syrk", ("cpu",), "blocked lower-triangle GEMM strips", cpu_blocked, _on("cpu")),
+    Kernel("quack", ("cuda",), "quack gemm_symmetric triangle SYRK; fp32/fp64 via cuBLAS",
+           _tensor_core(quack.sym_mm), quack.available),
+    Kernel("cute_sm80", ("cuda",), "CuTe DSL triangle SYRK; fp32/fp64 via cuBLAS",
+           _tensor_core(cute.triangle_sym_mm), cute.cute_available),
+    Kernel("cublas", ("cuda",), "universal fallback, full GEMM", full_mm, _on("cuda")),
+    Kernel("torch_mm", ("cpu", "cuda", "meta"),
+           "full GEMM through torch.matmul, no symmetry saving", full_mm, lambda d: (True, "")),
+)}  # fmt: skip
 
-# The auto ladder per device type: the first available kernel wins (quack needs sm_90+, the
-# own CuTe kernel sm_80+; cuBLAS runs everywhere).
-_AUTO_LADDER: dict[str, tuple[str, ...]] = {
-    "cpu": ("cpu_syrk",),
-    "cuda": ("quack", "cute_sm80", "cublas"),
-}
+# Per device type, the first available kernel wins (quack needs sm_90+, CuTe sm_80+).
+_AUTO_LADDER = {"cpu": ("cpu_syrk",), "cuda": ("quack", "cute_sm80", "cublas")}
 
 
 def kernel_names() -> list[str]:
     return sorted(KERNELS)
 
 
-# Per CUDA device index: the rows from which `auto`'s tensor-core triangle kernel beats one
-# cuBLAS GEMM (inf: at no size; below, its launch cost exceeds the FLOPs it saves), measured and
-# installed by dmuon_fn's dispatch. Explicit kernels ignore it.
+# Per CUDA device index: the rows from which `auto`'s triangle kernel beats one cuBLAS GEMM
+# (inf: never), installed by dmuon_fn's dispatch. Explicit kernels ignore it.
 _CUDA_TRIANGLE_FROM: dict[int, float] = {}
 
 
@@ -135,16 +106,15 @@ def auto_kernel(device: torch.device | str) -> Kernel:
 
 def resolve_kernel(name: str | None, device: torch.device | str, rows: int | None = None) -> Kernel:
     """The kernel that will run on `device`: explicit `name` > $DMUON_NS_KERNEL > auto ladder.
-
-    rows: the symmetric products' size (the iterate's short side); with it, `auto` on a CUDA
-    device runs cuBLAS below the installed triangle rule (`set_cuda_triangle_rows`).
-    Raises ValueError for an unknown name and RuntimeError for a known kernel that cannot run
-    on this device; a requested kernel is never silently replaced by another.
-    """
+    rows: the products' size; `auto` on CUDA runs cuBLAS below `set_cuda_triangle_rows`'s rule.
+    Raises ValueError for an unknown name, RuntimeError for a kernel that cannot run here (a
+    requested kernel is never replaced by another)."""
     device = torch.device(device)
-    requested = name if name not in (None, "auto") else os.environ.get(ENV_VAR) or None
-    source = "kernel=" if name not in (None, "auto") else f"${ENV_VAR}"
-    if requested is None or requested == "auto":
+    if name not in (None, "auto"):
+        requested, source = name, "kernel="
+    else:
+        requested, source = os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}"
+    if requested == "auto":
         kernel = auto_kernel(device)
         tensor_core = device.type == "cuda" and kernel.sym_mm is not full_mm
         if tensor_core and rows is not None and rows < _CUDA_TRIANGLE_FROM.get(_index(device), 0):
@@ -164,8 +134,7 @@ def resolve_kernel(name: str | None, device: torch.device | str, rows: int | Non
 
 @functools.cache
 def _auto(device_type: str, index: int | None) -> str:
-    """The first available kernel of the device's ladder; capability and installed packages
-    do not change within a process, so this runs once per device."""
+    """The first available kernel of the device's ladder (once per device and process)."""
     device = torch.device(device_type, index)
     for candidate in _AUTO_LADDER.get(device_type, ("torch_mm",)):
         if KERNELS[candidate].available(device)[0]:
@@ -174,12 +143,10 @@ def _auto(device_type: str, index: int | None) -> str:
 
 
 def describe(kernel: Kernel, device: torch.device | str) -> str:
+    """`kernel=<name> (<where>, <description and size rule>)`, as get_ns_backend prints it."""
     device = torch.device(device)
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        where = f"SM{major}{minor}"
-    else:
-        where = device.type.upper()
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    where = f"SM{cap[0]}{cap[1]}" if cap else device.type.upper()
     extra = ""
     if kernel.sym_mm is cpu_blocked:
         rule = ", ".join(f"{b} from {n} rows" for n, b in cpu_strips() if b > 1)

@@ -1,18 +1,16 @@
-"""What the CUDA triangle kernels share (torch only, no DSL import): device checks, and operands
-whose contiguous extents are multiples of 8 elements and whose base pointers are 16-byte aligned
-(both kernels read 16-byte vectors), zero-padded where needed: the top-left n×n block of the
-padded product is the product (proofs/custom_ops_notes.md, "CuTe triangle SYRK").
+"""What the CUDA triangle kernels share (torch only, no DSL import): device and package checks,
+and operands zero-padded to multiples of 8 elements with 16-byte aligned bases, as both kernels
+read 16-byte vectors (proofs/custom_ops_notes.md, "CuTe triangle SYRK").
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-ALIGN_ELEMS = 8  # 16 bytes of fp16/bf16
 
 
 def target_arch(device: torch.device) -> str:
@@ -36,6 +34,18 @@ def cuda_check(device: torch.device, min_cap: tuple[int, int]) -> str:
     return ""
 
 
+def import_error(package: str, extra: str, module: str, attr: str = "__name__") -> str:
+    """'' when `module` (and its `attr`) imports, else why not and how to install `package`."""
+    try:
+        getattr(importlib.import_module(module), attr)
+    except Exception as e:
+        return (
+            f"{package} is not importable ({type(e).__name__}: {e}); "
+            f"install it with `pip install dmuon_fn[{extra}]`"
+        )
+    return ""
+
+
 class Operands(NamedTuple):
     """P: (L, n8, k8) row-major. B: (L, k8, n8) with B.mT row-major (q_k_major) or B row-major.
     C: (L, n8, n8) row-major or None. n8, k8: n, k rounded up to multiples of 8."""
@@ -47,10 +57,6 @@ class Operands(NamedTuple):
     n: int
     n8: int
     k8: int
-
-
-def _round8(x: int) -> int:
-    return -(-x // ALIGN_ELEMS) * ALIGN_ELEMS
 
 
 def _aligned(t: Tensor) -> bool:
@@ -65,13 +71,12 @@ def _row_major(t: Tensor) -> Tensor:
 
 
 def prepare(A: Tensor, B: Tensor, C: Tensor | None) -> Operands:
-    """A: (..., n, k), B: (..., k, n), C: (..., n, n) or None -> kernel operands (batch
-    flattened)."""
+    """A: (..., n, k), B: (..., k, n), C: (..., n, n) or None -> operands, batch flattened."""
     n, k = A.shape[-2], A.shape[-1]
     A3 = A.reshape(-1, n, k)
     B3 = B.reshape(-1, k, n)
     C3 = None if C is None else C.reshape(-1, n, n)
-    n8, k8 = _round8(n), _round8(k)
+    n8, k8 = -(-n // 8) * 8, -(-k // 8) * 8
     if (n8, k8) != (n, k):
         P = F.pad(A3, (0, k8 - k, 0, n8 - n))
         Bt = F.pad(B3.mT, (0, k8 - k, 0, n8 - n))

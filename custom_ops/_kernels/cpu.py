@@ -1,12 +1,9 @@
 """The torch GEMM kernels: the CPU's lower-triangle row strips, and one full GEMM (any device).
 
-`triangle_product(A, B, C, alpha, beta, blocks)` = alpha·A·B + beta·C (shapes and symmetry as
-every kernel's, custom_ops/_kernels/__init__.py). With `blocks` > 1 it computes row strip
-[r0, r1) against columns [0, r1) (blocks·(blocks+1)/2 of blocks² tiles) and mirrors each strip's
-part left of its diagonal block above it: exactly symmetric there, each diagonal block one GEMM's
-output (symmetric to rounding). With one block it is one GEMM. The CPU kernel takes the strips
-of the installed table (`set_cpu_strips`; none until then: one GEMM, the plain `A @ B`).
-Rationale: proofs/custom_ops_notes.md, "CPU strips".
+`triangle_product(..., blocks)` computes row strip [r0, r1) against columns [0, r1) and mirrors
+each strip's part left of its diagonal block above it (exactly symmetric there; each diagonal
+block is one GEMM's output); one block is one GEMM. The CPU kernel takes its strips from the
+installed table (`set_cpu_strips`; none: one GEMM). Rationale: proofs/custom_ops_notes.md.
 """
 
 from __future__ import annotations
@@ -16,13 +13,11 @@ import itertools
 import torch
 from torch import Tensor
 
-# ((min_rows, strips), ...), min_rows ascending: a product of n rows takes the strips of the
-# last entry with min_rows <= n, and one GEMM below the first.
+# ((min_rows, strips), ...), min_rows ascending: n rows take the strips of the last entry with
+# min_rows <= n, one GEMM below the first.
 _CPU_STRIPS: tuple[tuple[int, int], ...] = ()
-# Extra elements per row of the mirror's scratch strip (see _mirror_lower_).
-_SCRATCH_PAD = 16
-# Strips get at least this many rows each: thinner GEMMs lose more to overhead than they save.
-MIN_STRIP_ROWS = 16
+_SCRATCH_PAD = 16  # extra elements per row of the mirror's scratch strip
+MIN_STRIP_ROWS = 16  # thinner strips lose more to GEMM overhead than they save
 
 
 def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
@@ -43,11 +38,8 @@ def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
 
 
 def set_cpu_strips(table) -> None:
-    """Install the CPU strip table ((min_rows, strips), ...; see `_CPU_STRIPS`).
-
-    Process-wide (the kernel reads it when it runs, eager or compiled); every rank of a job must
-    install the same table (dmuon_fn agrees on it, see dmuon_fn/ns/_dispatch.py).
-    """
+    """Install the process-wide CPU strip table (`_CPU_STRIPS`); read when the kernel runs, eager
+    or compiled. Every rank of a job must install the same table (dmuon_fn/ns/_dispatch.py)."""
     global _CPU_STRIPS
     _CPU_STRIPS = check_cpu_strips(table)
 
@@ -58,11 +50,7 @@ def cpu_strips() -> tuple[tuple[int, int], ...]:
 
 
 def _cpu_blocks(n: int) -> int:
-    blocks = 1
-    for min_rows, strips in _CPU_STRIPS:
-        if n >= min_rows:
-            blocks = strips
-    return blocks
+    return next((strips for min_rows, strips in reversed(_CPU_STRIPS) if n >= min_rows), 1)
 
 
 def _as_batched(t: Tensor) -> Tensor:
@@ -73,10 +61,8 @@ def _as_batched(t: Tensor) -> Tensor:
 def _mirror_lower_(out: Tensor, bounds: list[int]) -> Tensor:
     """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds` (through
     a scratch buffer of padded row stride when n is a multiple of 128: fewer cache conflicts)."""
-    n = out.shape[-1]
-    conflicts = n % 128 == 0  # elsewhere the scratch copy costs more than it saves
     scratch = None
-    if conflicts:  # one buffer for every strip: the tallest strip by the widest part
+    if out.shape[-1] % 128 == 0:  # one buffer for every strip: the tallest by the widest part
         rows = max(r1 - r0 for r0, r1 in itertools.pairwise(bounds))
         scratch = out.new_empty((*out.shape[:-2], rows, bounds[-2] + _SCRATCH_PAD))
     for r0, r1 in itertools.pairwise(bounds[1:]):
@@ -95,8 +81,7 @@ def triangle_product(
     A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
 ) -> Tensor:
     """alpha·A·B + beta·C by `blocks` lower row strips, mirrored (see the module docstring)."""
-    lead = A.shape[:-2]
-    n = A.shape[-2]
+    lead, n = A.shape[:-2], A.shape[-2]
     if alpha == 0.0:
         # torch 2.13's CPU bf16 baddbmm returns garbage for alpha=0; the product is not needed.
         out = torch.zeros((*lead, n, n), dtype=A.dtype, device=A.device)

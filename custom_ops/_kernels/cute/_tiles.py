@@ -1,9 +1,6 @@
-"""Tile-level building blocks of the CuTe triangle SYRK (`syrk_sm80.py`): shared-memory
-layouts, 128-bit tiled copies, and predicated loads and stores of one tile.
-
-Predicates compare a coordinate tensor (`cute.make_identity_tensor`, partitioned like the data)
-with the matrix size n: rows and columns >= n are never read (zero instead) nor written.
-This module imports `cutlass` (nvidia-cutlass-dsl) at import time; import it lazily.
+"""Tile-level building blocks of `syrk_sm80.py`: shared-memory layouts, 128-bit tiled copies,
+predicated tile loads and stores. Predicates compare coordinate tensors with n: rows and columns
+>= n are never read (zero instead) nor written. Imports `cutlass` at import time.
 """
 
 from __future__ import annotations
@@ -16,9 +13,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 
 def smem_layout_ab(dtype, major, tiler, copy_bits: int):
-    """Swizzled (rows, bK, stages) operand buffer: 8-row atoms of up to 64 contiguous
-    elements (k-contiguous for K-major, row-contiguous for N-major) with an XOR swizzle
-    so that cp.async writes and ldmatrix reads hit distinct banks."""
+    """Swizzled (rows, bK, stages) operand buffer: 8-row atoms of up to 64 contiguous elements,
+    XOR-swizzled so that cp.async writes and ldmatrix reads hit distinct banks."""
     contiguous = tiler[1] if major == LayoutEnum.ROW_MAJOR else tiler[0]
     contiguous = min(contiguous, 64)
     swizzle_bits = min(int(math.log2(contiguous * dtype.width // copy_bits)), 3)
@@ -53,8 +49,7 @@ def gmem_tiled_copy(atom, major, rows: int, cols: int, threads: int, vector: int
 
 @cute.jit
 def row_predicate(tXgX, tXcX, n):
-    """Per copy atom of a thread's operand slabs tXgX (coordinates tXcX): whether its row is
-    < n, broadcast over the k slabs (stride 0)."""
+    """Per copy atom of tXgX (coordinates tXcX): whether its row is < n, broadcast over k."""
     pred = cute.make_rmem_tensor(
         cute.make_layout(
             (tXgX.shape[0][1], cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])),
@@ -70,8 +65,7 @@ def row_predicate(tXgX, tXcX, n):
 
 @cute.jit
 def copy_first_slab(tiled_copy, tXgX, tXsX, tXcX, rows_in, k_slab):
-    """Slab `k_slab` of tXgX into stage 0 of tXsX, skipping the copy atoms whose k columns
-    lie before the origin (< 0, the ragged slab): they stay zero."""
+    """Slab `k_slab` of tXgX into stage 0 of tXsX; atoms whose k columns are < 0 stay zero."""
     for kk in cutlass.range_constexpr(rows_in.shape[2]):
         if cute.elem_less(cutlass.Int32(-1), tXcX[0, 0, kk, 0][1]):
             cute.copy(
@@ -112,8 +106,7 @@ def store_tile(
     tiled_copy, tidx, sD, gOut, cOut, n, dtype: cutlass.Constexpr, rows: cutlass.Constexpr
 ):
     """Shared tile sD -> registers -> predicated global stores into gOut (rows and cols < n).
-    rows: vectors run along tile rows (contiguous in shared memory, read as vectors); else
-    along columns (gathered element by element)."""
+    rows: vectors along tile rows (read as vectors); else along columns (element by element)."""
     thr = tiled_copy.get_slice(tidx)
     tSs = thr.partition_S(sD)
     tSg = thr.partition_D(gOut)

@@ -1,15 +1,10 @@
 """CuTe DSL triangle SYRK for sm_80+: D = alpha·P·Qᵀ + beta·C on the upper tile triangle, mirrored.
 
-P, Q: (L, n, k) fp16/bf16, P K-major (row-major); Q K-major (Q = P for SYRK) or N-major
-(Q = Bᵀ of a row-major (k, n) B, as in the Gram products). C, D: (L, n, n) row-major, C
-symmetric (only its upper tiles are read). n and k must be multiples of 8 and every base
-pointer 16-byte aligned (128-bit cp.async / stores); the caller (`triangle_sym_mm`) pads other
-shapes with zeros. The int32 tile index bounds n to 2**21 (16384 tiles a side).
-
-Design: an Ampere tensor-core GEMM (mma.sync, cp.async pipeline, ldmatrix) restricted to the
-tiles on and above the diagonal, each stored to both of its mirror positions
-(proofs/custom_ops_notes.md, "CuTe triangle SYRK"; correctness: proofs/cute_syrk.md).
-This module imports `cutlass` (nvidia-cutlass-dsl) at import time; import it lazily.
+P, Q: (L, n, k) fp16/bf16, P K-major; Q K-major (Q = P) or N-major (Q = Bᵀ of a row-major B).
+C, D: (L, n, n) row-major, C symmetric (only its upper tiles are read). n, k multiples of 8 and
+pointers 16-byte aligned (`_cuda.prepare` pads); n <= 2**21 (int32 tile index). Design:
+proofs/custom_ops_notes.md, "CuTe triangle SYRK"; correctness: proofs/cute_syrk.md.
+Imports `cutlass` (nvidia-cutlass-dsl) at import time: import this module lazily.
 """
 
 from __future__ import annotations
@@ -42,10 +37,6 @@ class TileConfig:
     warps_m: int = 2
     warps_n: int = 2
 
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
-
 
 class TriangleSyrk:
     """One compiled variant: dtype, Q's major mode, whether C is read, tile config."""
@@ -58,24 +49,15 @@ class TriangleSyrk:
         self.bM = self.bN = cfg.tile
         self.bK = cfg.tile_k
         self.cta_tiler = (self.bM, self.bN, self.bK)
-        self.num_threads = cfg.threads
+        self.num_threads = 32 * cfg.warps_m * cfg.warps_n
         self.copy_bits = 128
         self.copy_elems = self.copy_bits // self.dtype.width
 
     @cute.jit
     def __call__(
-        self,
-        pP: cute.Pointer,
-        pQ: cute.Pointer,
-        pC: cute.Pointer,
-        pD: cute.Pointer,
-        n: Int32,
-        k: Int32,
-        batch: Int32,
-        alpha: Float32,
-        beta: Float32,
-        stream: cuda.CUstream,
-    ):
+        self, pP: cute.Pointer, pQ: cute.Pointer, pC: cute.Pointer, pD: cute.Pointer,
+        n: Int32, k: Int32, batch: Int32, alpha: Float32, beta: Float32, stream: cuda.CUstream,
+    ):  # fmt: skip
         n = cute.assume(n, divby=8)
         k = cute.assume(k, divby=8)
         nk = cute.assume(Int64(n) * Int64(k), divby=64)
@@ -87,17 +69,14 @@ class TriangleSyrk:
             mQ = cute.make_tensor(pQ, cute.make_layout((n, k, batch), stride=(1, n, nk)))
         mC = cute.make_tensor(pC, cute.make_layout((n, n, batch), stride=(n, 1, nn)))
         mD = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(n, 1, nn)))
-        # D seen transposed: element (r, c) of mDt is D[c, r], so tile (i, j) of mDt is the
-        # mirror image of tile (i, j) of D.
+        # D transposed: tile (i, j) of mDt is the mirror image of tile (i, j) of D
         mDt = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(1, n, nn)))
 
-        stages, bits = self.cfg.stages, self.copy_bits
+        dt, stages, bits = self.dtype, self.cfg.stages, self.copy_bits
         sP_layout = _tiles.smem_layout_ab(
-            self.dtype, LayoutEnum.ROW_MAJOR, (self.bM, self.bK, stages), bits
+            dt, LayoutEnum.ROW_MAJOR, (self.bM, self.bK, stages), bits
         )
-        sQ_layout = _tiles.smem_layout_ab(
-            self.dtype, self.q_major, (self.bN, self.bK, stages), bits
-        )
+        sQ_layout = _tiles.smem_layout_ab(dt, self.q_major, (self.bN, self.bK, stages), bits)
         sD_layout = _tiles.smem_layout_d((self.bM, self.bN))
         smem_bytes = max(
             cute.size_in_bytes(self.dtype, sP_layout) + cute.size_in_bytes(self.dtype, sQ_layout),
@@ -117,11 +96,9 @@ class TriangleSyrk:
         copy_D = self._tiled_copy(r2g, LayoutEnum.ROW_MAJOR, self.bM, self.bN)
         copy_Dt = self._tiled_copy(r2g, LayoutEnum.COL_MAJOR, self.bM, self.bN)
 
-        mma_op = cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
-        warp_grid = cute.make_layout((self.cfg.warps_m, self.cfg.warps_n, 1))
         tiled_mma = cute.make_tiled_mma(
-            mma_op,
-            warp_grid,
+            cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            cute.make_layout((self.cfg.warps_m, self.cfg.warps_n, 1)),
             permutation_mnk=(self.cfg.warps_m * 16, self.cfg.warps_n * 16, 16),
         )
 
@@ -131,31 +108,18 @@ class TriangleSyrk:
             sP_layout, sQ_layout, sD_layout,
             copy_P, copy_Q, copy_D, copy_Dt, tiled_mma,
         ).launch(
-            grid=(tiles * (tiles + 1) // 2, 1, batch),
-            block=(self.num_threads, 1, 1),
-            smem=smem_bytes,
-            stream=stream,
+            grid=(tiles * (tiles + 1) // 2, 1, batch), block=(self.num_threads, 1, 1),
+            smem=smem_bytes, stream=stream,
         )  # fmt: skip
 
     @cute.kernel
     def kernel(
-        self,
-        mP: cute.Tensor,
-        mQ: cute.Tensor,
-        mC: cute.Tensor,
-        mD: cute.Tensor,
-        mDt: cute.Tensor,
-        alpha: Float32,
-        beta: Float32,
-        sP_layout: cute.ComposedLayout,
-        sQ_layout: cute.ComposedLayout,
-        sD_layout: cute.ComposedLayout,
-        copy_P: cute.TiledCopy,
-        copy_Q: cute.TiledCopy,
-        copy_D: cute.TiledCopy,
-        copy_Dt: cute.TiledCopy,
+        self, mP: cute.Tensor, mQ: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor,
+        mDt: cute.Tensor, alpha: Float32, beta: Float32, sP_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout, copy_P: cute.TiledCopy,
+        copy_Q: cute.TiledCopy, copy_D: cute.TiledCopy, copy_Dt: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
-    ):
+    ):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, bidz = cute.arch.block_idx()
         n = mP.shape[0]
@@ -354,14 +318,9 @@ def compile_kernel(
     keep_dir: str | None = None,
     extra_options: str = "",
 ):
-    """cute.compile one variant for `arch` ("sm_80", "sm_90a", ...); needs no GPU.
-
-    keep_dir: when given (an existing directory), the PTX and cubin are written there.
-    extra_options: more cute.compile options, e.g. "--ptxas-options=-v remarks{ptx}" to have
-    ptxas report registers and spills on stderr.
-    Returns the compiled function: call it as (pP, pQ, pC, pD, n, k, batch, alpha, beta,
-    stream) with 16-byte-aligned global pointers from `cute.runtime.make_ptr`.
-    """
+    """cute.compile one variant for `arch` ("sm_80", "sm_90a", ...); needs no GPU. keep_dir: an
+    existing directory to write the PTX and cubin to; extra_options: more cute.compile options.
+    Returns fn(pP, pQ, pC, pD, n, k, batch, alpha, beta, stream), pointers 16-byte aligned."""
     options = f"--gpu-arch {arch} {extra_options}".strip()
     if keep_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {keep_dir}"
