@@ -1,12 +1,6 @@
 """`CommCounter` books every collective a rank issues, `CommTimer` the seconds it waits for
-them (`blocked()`), each by phase.
-
-Bytes are per rank (proofs/comm_notes.md): over a group of W ranks and a payload of N bytes,
-broadcast and reduce book (W−1)/W·N, all-gather and reduce-scatter (W−1)/W of the full tensor,
-all-reduce 2(W−1)/W·N; a point-to-point transfer books N/2 on each of its two ends, and the
-transfers of a pair reduce (`custom_ops._collectives.PairReduce`, tagged `PAIR_TAG`) book as a
-reduce.
-"""
+them (`blocked()`), each by phase. Bytes are per rank: proofs/comm_notes.md gives the rule per
+collective (a pair reduce's transfers, tagged `PAIR_TAG`, book as a reduce)."""
 
 from __future__ import annotations
 
@@ -56,17 +50,13 @@ def _nbytes(x: object) -> int:
 def _group_size(args: tuple, kwargs: dict) -> int:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.ScriptObject):  # c10d ops: the process group, boxed
-            try:
+            with contextlib.suppress(RuntimeError, AttributeError, TypeError):
                 return int(dist.ProcessGroup.unbox(a).size())
-            except (RuntimeError, AttributeError, TypeError):
-                continue
         if isinstance(a, list) and a and all(isinstance(r, int) for r in a):
             return len(a)  # functional collectives: explicit rank list
         if isinstance(a, str):
-            try:
+            with contextlib.suppress(RuntimeError, ValueError, AttributeError):
                 return dist.get_world_size(dist.distributed_c10d._resolve_process_group(a))
-            except (RuntimeError, ValueError, AttributeError):
-                continue
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -99,18 +89,8 @@ class _Phases:
 
 
 class CommCounter(_Phases, TorchDispatchMode):
-    """Counts collectives and per-rank bytes by phase: every c10d op (torch.distributed calls,
-    FSDP2's, dmuon_fn's) and functional collective the rank dispatches.
-
-    with CommCounter() as comm:
-        with comm.phase("forward"):
-            loss = model(x)
-        with comm.phase("backward"):
-            loss.backward()
-        with comm.phase("step"):
-            opt.step()
-    comm.stats["step"].count == 0
-    """
+    """Calls and per-rank bytes (`stats[phase]`) of every c10d op and functional collective the
+    rank dispatches, by phase: `with CommCounter() as comm, comm.phase("step"): opt.step()`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,19 +121,9 @@ class CommCounter(_Phases, TorchDispatchMode):
 
 
 class CommTimer(_Phases):
-    """Seconds the calling (training) thread spent blocked in dmuon_fn's gathers, reduces and
-    publishes, by phase: the communication that computation did not hide.
-
-    with dmuon.CommTimer() as t:
-        with t.phase("forward"):
-            loss = model(x)
-        ...
-    t.seconds["forward"]      # blocked seconds; t.waits["forward"]: how many waits
-
-    Counted where dmuon_fn waits for a collective (an asynchronous one it issued earlier, or a
-    synchronous one it runs), on every path: eager hooks, compiled blocks' ops, the step.
-    Nested timers each count.
-    """
+    """Seconds (`seconds[phase]`) and count (`waits[phase]`) of the calling thread's waits for
+    dmuon_fn's collectives on every path (hooks, compiled blocks, the step), by phase; nested
+    timers each count."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -169,10 +139,6 @@ class CommTimer(_Phases):
     def __exit__(self, *exc) -> None:
         _TIMERS.remove(self)
 
-    def _add(self, seconds: float) -> None:
-        self.seconds[self._phase] += seconds
-        self.waits[self._phase] += 1
-
 
 _TIMERS: list[CommTimer] = []
 
@@ -180,13 +146,11 @@ _TIMERS: list[CommTimer] = []
 @contextlib.contextmanager
 def blocked() -> Iterator[None]:
     """Time the enclosed wait for every active `CommTimer`."""
-    if not _TIMERS:
-        yield
-        return
     t0 = time.perf_counter()
     try:
         yield
     finally:
         dt = time.perf_counter() - t0
         for timer in _TIMERS:
-            timer._add(dt)
+            timer.seconds[timer._phase] += dt
+            timer.waits[timer._phase] += 1
