@@ -16,26 +16,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from custom_ops._collectives import PAIR_TAG
 
-# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input)
+# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input);
+# point to point (send, recv_) is booked as a group of two, N/2 on each end
 _C10D = {
-    "broadcast_": (1, 0),
-    "reduce_": (1, 0),
     "allreduce_": (2, 0),
-    "allgather_": (1, 1),
-    "_allgather_base_": (1, 0),
-    "allgather_into_tensor_coalesced_": (1, 0),
-    "reduce_scatter_": (1, 1),
-    "_reduce_scatter_base_": (1, 1),
-    "reduce_scatter_tensor_coalesced_": (1, 1),
-    "alltoall_base_": (1, 1),
-    "send": (1, 0),  # point to point: booked as a group of two, N/2 on each end
-    "recv_": (1, 0),
+    **dict.fromkeys(("broadcast_", "reduce_", "send", "recv_"), (1, 0)),
+    **dict.fromkeys(("_allgather_base_", "allgather_into_tensor_coalesced_"), (1, 0)),
+    **dict.fromkeys(("allgather_", "reduce_scatter_", "_reduce_scatter_base_"), (1, 1)),
+    **dict.fromkeys(("reduce_scatter_tensor_coalesced_", "alltoall_base_"), (1, 1)),
 }
 _FUNCOL = {
-    "broadcast": (1, 0),
     "all_reduce": (2, 0),
-    "all_gather_into_tensor": (1, 0),
-    "reduce_scatter_tensor": (1, 0),
+    **dict.fromkeys(("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"), (1, 0)),
 }
 
 
