@@ -1,14 +1,12 @@
 """What Newton-Schulz runs on a device: the iteration dtype, the Gram ratio, the SYRK kernel.
-
-CPU: `cpu_dispatch()`, measured once per machine identity and cached as JSON in
-`cache_dir()/dispatch/`; `agree(group)` installs group rank 0's on every rank. CUDA: bf16 on
-sm_80+ (else fp16), Gram from GRAM_MIN_ASPECT, the triangle kernel from `cuda_triangle_rows`.
-Other devices: float32, GRAM_MIN_ASPECT. Each is a constant under torch.compile. Procedure and
-guarantees: proofs/dispatch.md, proofs/ns_notes.md.
-"""
+A CPU's are measured once per machine (`cpu_dispatch`, cached in `cache_dir()/dispatch/`,
+`agree`d from rank 0); elsewhere Gram runs from GRAM_MIN_ASPECT and the dtype is bf16 on CUDA
+sm_80+ (fp16 below, float32 off CUDA), CUDA's triangle kernel from `cuda_triangle_rows`. Each is a
+constant under torch.compile; proofs/dispatch.md."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -140,13 +138,11 @@ _ASPECT: float | None = None
 
 def _read(path: Path, ident: dict) -> CpuDispatch | None:
     """The cached choice, or None unless the file holds a valid record of identity `ident`."""
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
         record = json.loads(path.read_text())
-        if record.get("identity") != ident:
-            return None
-        return CpuDispatch.from_json(record["dispatch"], "cache")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        if record.get("identity") == ident:
+            return CpuDispatch.from_json(record["dispatch"], "cache")
+    return None
 
 
 def _load_or_measure() -> CpuDispatch:

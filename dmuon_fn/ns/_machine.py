@@ -3,6 +3,7 @@ races, and the pure rules that turn times into choices (why: proofs/ns_notes.md)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -26,14 +27,11 @@ _KEY_FLAGS = _BF16_FLAGS | {"avx2", "fma", "avx512f", "avx512_vnni", "amx_tile",
 
 def _cpuinfo(*keys: str) -> str | None:
     """The value of the first /proc/cpuinfo line keyed by one of `keys` (None: none, unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in keys:
-            return value
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in keys:
+                return value
     return None
 
 
