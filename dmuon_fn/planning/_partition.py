@@ -24,8 +24,6 @@ from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
 FLOPS_PER_BYTE = 1024.0
 
-_ShapeLike = Sequence[int]
-
 
 def _numeric(part: str) -> bool:
     return part.isascii() and part.isdigit()
@@ -169,7 +167,7 @@ def _pairs(named_shapes) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def partition(
-    named_shapes: Mapping[str, _ShapeLike] | Iterable[tuple[str, _ShapeLike]],
+    named_shapes: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int]]],
     world_size: int,
     *,
     replicate_size: int = 1,
