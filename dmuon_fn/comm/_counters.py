@@ -1,12 +1,6 @@
 """`CommCounter` books every collective a rank issues, `CommTimer` the seconds it waits for
-them (`blocked()`), each by phase.
-
-Bytes are per rank (proofs/comm_notes.md): over a group of W ranks and a payload of N bytes,
-broadcast and reduce book (W−1)/W·N, all-gather and reduce-scatter (W−1)/W of the full tensor,
-all-reduce 2(W−1)/W·N; a point-to-point transfer books N/2 on each of its two ends, and the
-transfers of a pair reduce (`custom_ops._collectives.PairReduce`, tagged `PAIR_TAG`) book as a
-reduce.
-"""
+them (`blocked()`), each by phase. Bytes are per rank: proofs/comm_notes.md gives the rule per
+collective (a pair reduce's transfers, tagged `PAIR_TAG`, book as a reduce)."""
 
 from __future__ import annotations
 
@@ -22,26 +16,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from custom_ops._collectives import PAIR_TAG
 
-# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input)
+# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input);
+# point to point (send, recv_) is booked as a group of two, N/2 on each end
 _C10D = {
-    "broadcast_": (1, 0),
-    "reduce_": (1, 0),
     "allreduce_": (2, 0),
-    "allgather_": (1, 1),
-    "_allgather_base_": (1, 0),
-    "allgather_into_tensor_coalesced_": (1, 0),
-    "reduce_scatter_": (1, 1),
-    "_reduce_scatter_base_": (1, 1),
-    "reduce_scatter_tensor_coalesced_": (1, 1),
-    "alltoall_base_": (1, 1),
-    "send": (1, 0),  # point to point: booked as a group of two, N/2 on each end
-    "recv_": (1, 0),
+    **dict.fromkeys(("broadcast_", "reduce_", "send", "recv_"), (1, 0)),
+    **dict.fromkeys(("_allgather_base_", "allgather_into_tensor_coalesced_"), (1, 0)),
+    **dict.fromkeys(("allgather_", "reduce_scatter_", "_reduce_scatter_base_"), (1, 1)),
+    **dict.fromkeys(("reduce_scatter_tensor_coalesced_", "alltoall_base_"), (1, 1)),
 }
 _FUNCOL = {
-    "broadcast": (1, 0),
     "all_reduce": (2, 0),
-    "all_gather_into_tensor": (1, 0),
-    "reduce_scatter_tensor": (1, 0),
+    **dict.fromkeys(("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"), (1, 0)),
 }
 
 
@@ -56,17 +42,13 @@ def _nbytes(x: object) -> int:
 def _group_size(args: tuple, kwargs: dict) -> int:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.ScriptObject):  # c10d ops: the process group, boxed
-            try:
+            with contextlib.suppress(RuntimeError, AttributeError, TypeError):
                 return int(dist.ProcessGroup.unbox(a).size())
-            except (RuntimeError, AttributeError, TypeError):
-                continue
         if isinstance(a, list) and a and all(isinstance(r, int) for r in a):
             return len(a)  # functional collectives: explicit rank list
         if isinstance(a, str):
-            try:
+            with contextlib.suppress(RuntimeError, ValueError, AttributeError):
                 return dist.get_world_size(dist.distributed_c10d._resolve_process_group(a))
-            except (RuntimeError, ValueError, AttributeError):
-                continue
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -99,18 +81,8 @@ class _Phases:
 
 
 class CommCounter(_Phases, TorchDispatchMode):
-    """Counts collectives and per-rank bytes by phase: every c10d op (torch.distributed calls,
-    FSDP2's, dmuon_fn's) and functional collective the rank dispatches.
-
-    with CommCounter() as comm:
-        with comm.phase("forward"):
-            loss = model(x)
-        with comm.phase("backward"):
-            loss.backward()
-        with comm.phase("step"):
-            opt.step()
-    comm.stats["step"].count == 0
-    """
+    """Calls and per-rank bytes (`stats[phase]`) of every c10d op and functional collective the
+    rank dispatches, by phase: `with CommCounter() as comm, comm.phase("step"): opt.step()`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,19 +113,9 @@ class CommCounter(_Phases, TorchDispatchMode):
 
 
 class CommTimer(_Phases):
-    """Seconds the calling (training) thread spent blocked in dmuon_fn's gathers, reduces and
-    publishes, by phase: the communication that computation did not hide.
-
-    with dmuon.CommTimer() as t:
-        with t.phase("forward"):
-            loss = model(x)
-        ...
-    t.seconds["forward"]      # blocked seconds; t.waits["forward"]: how many waits
-
-    Counted where dmuon_fn waits for a collective (an asynchronous one it issued earlier, or a
-    synchronous one it runs), on every path: eager hooks, compiled blocks' ops, the step.
-    Nested timers each count.
-    """
+    """Seconds (`seconds[phase]`) and count (`waits[phase]`) of the calling thread's waits for
+    dmuon_fn's collectives on every path (hooks, compiled blocks, the step), by phase; nested
+    timers each count."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -169,10 +131,6 @@ class CommTimer(_Phases):
     def __exit__(self, *exc) -> None:
         _TIMERS.remove(self)
 
-    def _add(self, seconds: float) -> None:
-        self.seconds[self._phase] += seconds
-        self.waits[self._phase] += 1
-
 
 _TIMERS: list[CommTimer] = []
 
@@ -180,13 +138,11 @@ _TIMERS: list[CommTimer] = []
 @contextlib.contextmanager
 def blocked() -> Iterator[None]:
     """Time the enclosed wait for every active `CommTimer`."""
-    if not _TIMERS:
-        yield
-        return
     t0 = time.perf_counter()
     try:
         yield
     finally:
         dt = time.perf_counter() - t0
         for timer in _TIMERS:
-            timer._add(dt)
+            timer.seconds[timer._phase] += dt
+            timer.waits[timer._phase] += 1

@@ -15,10 +15,8 @@ class CollectiveError(RuntimeError):
 
 @contextlib.contextmanager
 def phase(what: str) -> Iterator[None]:
-    """Re-raise a failing collective as a `CollectiveError` that says what was communicating.
-
-    The timeout itself is the process group's (`init_process_group(timeout=...)`).
-    """
+    """Re-raise a failing collective as a `CollectiveError` naming `what` (the timeout is the
+    process group's)."""
     try:
         yield
     except (RuntimeError, TimeoutError) as e:  # DistBackendError/DistError derive from these

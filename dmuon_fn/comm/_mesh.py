@@ -1,7 +1,9 @@
-"""What both faces (dedicated/, functional/) accept and share: mesh shapes, mixed-precision
+"""Checks of what both faces (dedicated/, functional/) accept, mesh shapes and mixed-precision
 dtypes, and the process groups dmuon_fn's own traffic runs on."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -17,23 +19,20 @@ def check_dtype(what: str, dtype: object) -> None:
 
 
 def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
-    """Mixed-precision dtypes: floating torch dtypes or None (both faces take the same)."""
     check_dtype("param_dtype", param_dtype)
     check_dtype("reduce_dtype", reduce_dtype)
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the global owner keeps a parameter of `dtype` in under mixed precision: the dtype
-    promoted to at least fp32."""
+    """The dtype the global owner keeps a parameter's master in: `dtype`, at least fp32."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def check_meshes(
     mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, *, tensor_size: int = 1
 ) -> None:
-    """A 1-D shard mesh, and under HSDP a 1-D replicate mesh: the two dims of one 2-D mesh
-    named ('replicate', 'shard') that together span the world (with `tensor_size` tensor
-    ranks per data coordinate: a ('replicate', 'shard', <tensor>) mesh)."""
+    """Raise ValueError unless `mesh` is 1-D and, under HSDP, `replicate_mesh` is the 'replicate'
+    dim of the same ('replicate', 'shard'[, tensor]) mesh spanning the world."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(
             f"mesh must be a 1-D DeviceMesh (for HSDP pass hsdp['shard'] and "
@@ -67,23 +66,15 @@ def check_meshes(
 
 
 def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new process group over `group`'s ranks, with its backend and collective timeout, for
-    dmuon_fn's traffic alone (so it runs beside FSDP2's instead of queued behind it on gloo;
-    proofs/comm_notes.md). Collective over the world: every rank creates every rank's group.
-    """
+    """A new group over `group`'s ranks, backend and timeout, for dmuon_fn's traffic alone
+    (proofs/comm_notes.md). Collective over the world: every rank creates every rank's group."""
     mine = sorted(dist.get_process_group_ranks(group))
-    backend, timeout = dist.get_backend(group), _timeout(group)
+    backend, timeout = dist.get_backend(group), None  # None: torch's default, if unreadable
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(RuntimeError, AttributeError):
+            timeout = group._get_backend(torch.device(device)).options._timeout
+            break
     # new_group needs every rank, member or not, and the same order on all of them
     every = sorted({tuple(r) for r in all_gather_json(mine)})
     made = {r: dist.new_group(list(r), timeout=timeout, backend=backend) for r in every}
     return made[tuple(mine)]
-
-
-def _timeout(group: dist.ProcessGroup):
-    """`group`'s collective timeout (a timedelta), or None (torch's default) if unreadable."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError):
-            continue
-    return None

@@ -1,1 +1,1 @@
-"""ns"""
+"""Newton-Schulz: coefficients, the iteration, its cost, the device dispatch, orthogonalize."""

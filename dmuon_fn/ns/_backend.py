@@ -13,7 +13,6 @@ from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype, kernel_ch
 
 
 def _default_device() -> torch.device:
-    """The current CUDA device, else the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -26,13 +25,8 @@ def get_ns_backend(
     method: str = "auto",
     dtype: torch.dtype | None = None,
 ) -> str:
-    """One line naming the NS method, the SYRK kernel and the iteration dtype that will run,
-    and why (what dmuon_fn/ns/_dispatch.py decided for the device, or the argument).
-
-    device: defaults to the current CUDA device, else the CPU. `kernel` resolves exactly as in
-    `orthogonalize` (explicit > $DMUON_NS_KERNEL > auto), so the line names the kernel that runs;
-    an unknown or unavailable kernel raises the same error `orthogonalize` would.
-    """
+    """One line naming the NS method, SYRK kernel and iteration dtype `orthogonalize` would run on
+    `device` (default: the current CUDA device, else the CPU), and why; raises as it would."""
     device = _default_device() if device is None else torch.device(device)
     resolved = custom_ops.KERNELS[kernel_choice(kernel, device)]  # CUDA: measures auto's rule
     ns_method((1, 1), method)  # validates

@@ -1,9 +1,5 @@
-"""Newton-Schulz coefficient presets: data with provenance, safety factors applied visibly.
-
-Each row (a, b, c) is one quintic step X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X. A schedule of `steps`
-rows is taken from a preset by truncating it, or by repeating its last row when `steps` is longer:
-`steps` is always honoured.
-"""
+"""Newton-Schulz coefficient presets: data with provenance, safety factors applied visibly. Each
+row (a, b, c) is one quintic step X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X."""
 
 from __future__ import annotations
 
@@ -40,11 +36,7 @@ YOU: tuple[Row, ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
-PRESETS: dict[str, tuple[Row, ...]] = {
-    "keller": KELLER,
-    "polar_express": POLAR_EXPRESS,
-    "you": YOU,
-}
+PRESETS: dict[str, tuple[Row, ...]] = {"keller": KELLER, "polar_express": POLAR_EXPRESS, "you": YOU}
 
 
 def schedule(coefficients: str | Sequence[Sequence[float]], steps: int) -> tuple[Row, ...]:

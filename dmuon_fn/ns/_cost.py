@@ -1,24 +1,19 @@
-"""How Newton-Schulz is computed for a shape, and what it costs.
-
-The one place that decides standard vs Gram iteration (`ns_method`) and counts its FLOPs
-(`ns_flops`): `orthogonalize` runs what `ns_method` picks, and the partition planner's cost model
-charges what `ns_flops` counts, so the plan balances the work that actually runs.
-"""
+"""How Newton-Schulz is computed for a shape (`ns_method`: what `orthogonalize` runs) and what it
+costs (`ns_flops`: what the partition planner charges), so the plan balances the work that runs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
-# `auto` runs Gram NS from long/short >= GRAM_MIN_ASPECT (GPU default, the Gram Newton-Schulz
-# authors' measurement; a CPU's ratio is measured: _dispatch.py) with a short side >=
-# GRAM_MIN_SHORT (below it low-precision Gram can diverge: proofs/ns_notes.md).
+# `auto` runs Gram NS from long/short >= GRAM_MIN_ASPECT (GPU; a CPU's is measured) with a short
+# side >= GRAM_MIN_SHORT (below it low-precision Gram can diverge). Why: proofs/ns_notes.md.
 GRAM_MIN_ASPECT = 1.5
 GRAM_MIN_SHORT = 32
 
 
 def default_restarts(steps: int) -> tuple[int, ...]:
-    """Restart steps for Gram NS: every second step ((2, 4) for 5 steps), so no segment runs
-    more than 2 steps (why: proofs/ns_notes.md)."""
+    """Gram NS restart steps: every second step ((2, 4) for 5 steps; proofs/ns_notes.md)."""
     return tuple(range(2, steps, 2))
 
 
@@ -45,15 +40,10 @@ def ns_flops(
     sym_discount: float = 0.5,
     min_aspect: float = GRAM_MIN_ASPECT,
 ) -> float:
-    """Multiply-add FLOPs (2 per MAC) of orthogonalizing one matrix of `shape`.
-
-    A symmetric product costs `sym_discount` of the full GEMM (0.5 for an ideal SYRK, 1.0 for a
-    kernel without symmetry). Leading dims multiply the count; `min_aspect` as in `ns_method`.
-    """
+    """FLOPs (2 per multiply-add) of orthogonalizing `shape` (leading dims: a batch); a symmetric
+    product costs `sym_discount` of the full GEMM (0.5: ideal SYRK); `min_aspect` as `ns_method`."""
     rows, cols = shape[-2], shape[-1]
-    batch = 1
-    for d in shape[:-2]:
-        batch *= d
+    batch = math.prod(shape[:-2])
     n, m = min(rows, cols), max(rows, cols)
     sym_nm = 2.0 * n * n * m * sym_discount  # X·Xᵀ
     sym_nn = 2.0 * n**3 * sym_discount  # product of two commuting symmetric n×n matrices

@@ -1,24 +1,17 @@
 """What Newton-Schulz runs on a device: the iteration dtype, the Gram ratio, the SYRK kernel.
-
-CPU: `cpu_dispatch()` holds the dtype (float32 | bfloat16), the long/short ratio from which
-`method="auto"` runs Gram NS, and the CPU SYRK's strip table. `measure()` decides them (flags,
-then timings); they are cached as JSON in `cache_dir()/dispatch/cpu-<digest of identity()>.json`,
-one measuring process at a time (a lock), and `agree(group)` installs group rank 0's choice on
-every rank. CUDA: bf16 on sm_80+ (else fp16), Gram from GRAM_MIN_ASPECT, and the auto ladder's
-triangle kernel from `cuda_triangle_rows(device)` rows (measured once per process and device,
-held by custom_ops). Other devices: float32, GRAM_MIN_ASPECT. Under torch.compile each choice
-is a constant of the graph. `dtype=`, `method=`, `kernel=` and $DMUON_NS_KERNEL override them.
-Procedure and guarantees: proofs/dispatch.md, proofs/ns_notes.md.
-"""
+A CPU's are measured once per machine (`cpu_dispatch`, cached in `cache_dir()/dispatch/`,
+`agree`d from rank 0); elsewhere Gram runs from GRAM_MIN_ASPECT and the dtype is bf16 on CUDA
+sm_80+ (fp16 below, float32 off CUDA), CUDA's triangle kernel from `cuda_triangle_rows`. Each is a
+constant under torch.compile; proofs/dispatch.md."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,20 +50,13 @@ _log = logging.getLogger("dmuon_fn")
 
 @dataclass(frozen=True)
 class CpuDispatch:
-    """The CPU's Newton-Schulz choices.
+    """The CPU's Newton-Schulz choices."""
 
-    dtype: iteration dtype (float32 or bfloat16).
-    gram_min_aspect: `method="auto"` runs Gram NS from this long/short ratio (inf: never).
-    strips: the CPU SYRK's strip table, ((min_rows, strips), ...).
-    why: the reason for the dtype, as `get_ns_backend()` prints it.
-    source: "measured", "cache" or "rank 0" (installed by `agree`).
-    """
-
-    dtype: torch.dtype
-    gram_min_aspect: float
-    strips: tuple[tuple[int, int], ...]
-    why: str
-    source: str = "measured"
+    dtype: torch.dtype  # float32 or bfloat16
+    gram_min_aspect: float  # `method="auto"` runs Gram NS from this long/short ratio (inf: never)
+    strips: tuple[tuple[int, int], ...]  # the CPU SYRK's strip table, ((min_rows, strips), ...)
+    why: str  # the reason for the dtype, as `get_ns_backend()` prints it
+    source: str = "measured"  # or "cache", "rank 0"
 
     def to_json(self) -> dict:
         aspect = None if math.isinf(self.gram_min_aspect) else self.gram_min_aspect
@@ -83,7 +69,7 @@ class CpuDispatch:
 
     @classmethod
     def from_json(cls, d: Mapping, source: str) -> CpuDispatch:
-        """Parse and check a record (a cache file's or rank 0's); ValueError if it is not one."""
+        """Parse and check a cache file's or rank 0's record; ValueError if it is not one."""
         try:
             dtype = _DTYPES[d["dtype"]]
             aspect = math.inf if d["gram_min_aspect"] is None else float(d["gram_min_aspect"])
@@ -97,8 +83,7 @@ class CpuDispatch:
 
 
 def _gemm_times() -> tuple[float, float]:
-    """(fp32, bf16) seconds of one GEMM_SIZE³ GEMM; bf16 is timed no more once it is 4x slower
-    (emulated bf16 takes long)."""
+    """(fp32, bf16) seconds of one GEMM_SIZE³ GEMM (bf16 timed no more once 4x slower)."""
     a = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=torch.float32, device="cpu")
     t32 = race({"fp32": lambda: a @ a})["fp32"]
     b = a.bfloat16()
@@ -106,15 +91,10 @@ def _gemm_times() -> tuple[float, float]:
 
 
 def _strip_times(dtype: torch.dtype) -> dict[int, dict[int, float]]:
-    out = {}
+    out, tri = {}, custom_ops.triangle_product
     for n in STRIP_SIZES:
         A = torch.randn(n, n, dtype=torch.float32, device="cpu").to(dtype)
-        out[n] = race(
-            {
-                b: (lambda A=A, b=b: custom_ops.triangle_product(A, A.mT, None, 1.0, 0.0, b))
-                for b in STRIP_COUNTS
-            }
-        )
+        out[n] = race({b: (lambda A=A, b=b: tri(A, A.mT, None, 1.0, 0.0, b)) for b in STRIP_COUNTS})
     return out
 
 
@@ -125,19 +105,15 @@ def _method_times(dtype: torch.dtype) -> dict[float, tuple[float, float]]:
     for a in PROBE_ASPECTS:
         G = torch.randn(PROBE_SHORT, round(a * PROBE_SHORT), dtype=torch.float32, device="cpu")
         X = normalize(G, 1e-7, dtype)
-        t = race(
-            {
-                "standard": lambda X=X: standard(X, rows, "cpu_syrk"),
-                "gram": lambda X=X: gram(X.clone(), rows, restarts, "cpu_syrk"),
-            }
-        )
+        runs = {"standard": lambda X=X: standard(X, rows, "cpu_syrk")}
+        runs["gram"] = lambda X=X: gram(X.clone(), rows, restarts, "cpu_syrk")
+        t = race(runs)
         out[a] = (t["standard"], t["gram"])
     return out
 
 
 def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
-    """Decide the CPU's choices now: the dtype from the flags or a GEMM race, then (in it) the
-    strip table, installed, then the Gram ratio timed with it."""
+    """Decide the CPU's choices now (proofs/ns_notes.md); installs the strip table it finds."""
     flags = cpu_flags() if flags is None else flags
     cap = torch.backends.cpu.get_cpu_capability()
     if native_bf16(flags) is False:
@@ -155,22 +131,18 @@ def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
 
 
 _current: CpuDispatch | None = None
-# Its dtype and ratio as plain globals: torch.compile guards on these (a graph traced before
-# `agree` installs rank 0's choice recompiles with it), which it cannot on the dataclass.
+# Its dtype and ratio as plain globals: torch.compile guards on these, not on the dataclass.
 _DTYPE: torch.dtype | None = None
 _ASPECT: float | None = None
 
 
 def _read(path: Path, ident: dict) -> CpuDispatch | None:
-    """The cached choice, or None if the file is missing, unreadable, for another identity or
-    format, or holds values that do not check out."""
-    try:
+    """The cached choice, or None unless the file holds a valid record of identity `ident`."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
         record = json.loads(path.read_text())
-        if record.get("identity") != ident:
-            return None
-        return CpuDispatch.from_json(record["dispatch"], "cache")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        if record.get("identity") == ident:
+            return CpuDispatch.from_json(record["dispatch"], "cache")
+    return None
 
 
 def _load_or_measure() -> CpuDispatch:
@@ -186,11 +158,9 @@ def _load_or_measure() -> CpuDispatch:
             _log.info("dmuon_fn: measuring this CPU's Newton-Schulz dispatch once (%s)", path)
             d = measure()
             body = {"identity": ident, "dispatch": d.to_json()}
-            with tempfile.NamedTemporaryFile(
-                "w", dir=path.parent, delete=False, suffix=".tmp"
-            ) as f:
-                f.write(json.dumps(body, indent=1, sort_keys=True) + "\n")
-            os.replace(f.name, path)  # readers see the old file or the new one, never half
+            tmp = path.with_suffix(".tmp")  # one writer at a time: the lock is held
+            tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)  # readers see the old file or the new one, never half
             return d
     except OSError as e:  # an unwritable cache: measure for this process only
         _log.warning("dmuon_fn: CPU dispatch cache unusable (%s); measuring in memory", e)
@@ -198,8 +168,7 @@ def _load_or_measure() -> CpuDispatch:
 
 
 def install(d: CpuDispatch | None) -> None:
-    """Make `d` this process's CPU dispatch (and its strip table the SYRK's); None forgets it
-    (the next use decides again)."""
+    """Make `d` this process's CPU dispatch, strip table included; None forgets it."""
     global _current, _DTYPE, _ASPECT
     if d is not None:
         custom_ops.set_cpu_strips(d.strips)
@@ -207,15 +176,14 @@ def install(d: CpuDispatch | None) -> None:
 
 
 def cpu_dispatch() -> CpuDispatch:
-    """This process's CPU choices: decided on first use (cache or measurement), then fixed."""
+    """This process's CPU choices, decided on first use (cache or measurement)."""
     if _current is None:
         install(_load_or_measure())
     return _current
 
 
 def agree(group: dist.ProcessGroup | None = None) -> CpuDispatch:
-    """Install group rank 0's CPU choices on every rank of `group` (one small broadcast pair);
-    only rank 0 resolves (measures at most once per machine)."""
+    """Install group rank 0's CPU choices on every rank of `group` (one small broadcast pair)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return cpu_dispatch()
     if dist.get_rank(group) == 0:
@@ -228,18 +196,12 @@ def agree(group: dist.ProcessGroup | None = None) -> CpuDispatch:
 
 # Deciding inside torch.compile: run eagerly while tracing, the result a constant of the graph.
 @torch.compiler.assume_constant_result
-def _decide_dtype() -> torch.dtype:
-    return cpu_dispatch().dtype
-
-
-@torch.compiler.assume_constant_result
-def _decide_aspect() -> float:
-    return cpu_dispatch().gram_min_aspect
+def _decide(field: str) -> torch.dtype | float:
+    return getattr(cpu_dispatch(), field)
 
 
 @torch.compiler.assume_constant_result
 def _cuda_dtype(index: int) -> torch.dtype:
-    """bf16 where tensor cores take it (sm_80+); fp16 below, where bf16 is emulated."""
     return torch.bfloat16 if torch.cuda.get_device_capability(index)[0] >= 8 else torch.float16
 
 
@@ -248,30 +210,28 @@ def _cuda_index(device: torch.device) -> int:
 
 
 def iteration_dtype(device: torch.device) -> torch.dtype:
-    """The device's Newton-Schulz iteration dtype (a constant under torch.compile)."""
+    """The device's Newton-Schulz iteration dtype."""
     if device.type == "cpu":
-        return _DTYPE if _DTYPE is not None else _decide_dtype()
+        return _DTYPE if _DTYPE is not None else _decide("dtype")
     if device.type == "cuda":
         return _cuda_dtype(_cuda_index(device))
     return torch.float32
 
 
 def gram_min_aspect(device: torch.device) -> float:
-    """long/short from which `method="auto"` runs Gram NS on the device (a constant under
-    torch.compile; inf: never)."""
+    """long/short from which `method="auto"` runs Gram NS on the device (inf: never)."""
     if device.type != "cpu":
         return GRAM_MIN_ASPECT
-    return _ASPECT if _ASPECT is not None else _decide_aspect()
+    return _ASPECT if _ASPECT is not None else _decide("gram_min_aspect")
 
 
 def agreed_aspect(device: torch.device) -> float:
-    """The Gram ratio a job plans with (`partition(gram_min_aspect=...)`): on a CPU, after every
-    rank has installed rank 0's choices (`agree` over the world); on a GPU, GRAM_MIN_ASPECT."""
+    """The Gram ratio a job plans with: on a CPU rank 0's, `agree`d over the world."""
     return agree().gram_min_aspect if device.type == "cpu" else GRAM_MIN_ASPECT
 
 
 def dtype_reason(device: torch.device) -> str:
-    """Why `iteration_dtype(device)` is what it is, for `get_ns_backend()`."""
+    """Why `iteration_dtype(device)` is what it is."""
     if device.type == "cpu":
         return cpu_dispatch().why
     if device.type == "cuda":
@@ -281,16 +241,15 @@ def dtype_reason(device: torch.device) -> str:
 
 
 def setup_field(device: torch.device) -> str:
-    """The device's choices as one string, for the setup check that every rank compares."""
+    """The device's choices as one string, for the cross-rank setup check."""
     if device.type == "cpu":
         return json.dumps(cpu_dispatch().to_json(), sort_keys=True)
     return f"{iteration_dtype(device)}, Gram from {gram_min_aspect(device):g}"
 
 
 def cuda_triangle_rows(device: torch.device) -> float:
-    """Rows from which `auto` runs the device's triangle kernel (measured on first use against
-    one cuBLAS GEMM at TRIANGLE_SIZES, then installed in custom_ops; inf: never; 0 when the
-    ladder's pick is a plain GEMM)."""
+    """Rows from which `auto` runs the device's triangle kernel, measured on first use and held
+    by custom_ops (inf: never; 0 when the ladder's pick is a plain GEMM)."""
     index = _cuda_index(device)
     rows = custom_ops.cuda_triangle_rows(index)
     if rows is not None:
@@ -315,9 +274,8 @@ def cuda_triangle_rows(device: torch.device) -> float:
 
 @torch.compiler.assume_constant_result
 def kernel_choice(kernel: str | None, device: torch.device, rows: int | None = None) -> str:
-    """The name of the SYRK kernel that runs on `device` (for products of `rows` rows: CUDA's
-    auto rule, measured on first use). A host-side decision (it may import optional kernel
-    packages and time the device): under torch.compile a constant of the graph."""
+    """The name of the SYRK kernel that runs on `device` for products of `rows` rows (host-side:
+    a constant of the graph; proofs/dispatch.md Claim 8)."""
     resolved = custom_ops.resolve_kernel(kernel, device)
     if device.type != "cuda" or resolved is not custom_ops.auto_kernel(device):
         return resolved.name  # an explicit kernel, or a device without a size rule

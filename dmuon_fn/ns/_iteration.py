@@ -11,19 +11,16 @@ from torch import Tensor
 
 
 def plain_eager() -> bool:
-    """Whether buffers may be reused through out= and in-place writes: not while torch.compile
-    traces (the compiler plans memory) nor under a torch.func transform (out= has no batching
-    rule, and a buffer made inside vmap is not batched like the inputs)."""
+    """Whether buffers may be reused through out= and in-place writes: not under torch.compile
+    nor a torch.func transform (proofs/ns_notes.md)."""
     return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 
 def normalize(
     G: Tensor, eps: float, out_dtype: torch.dtype | None = None, scratch: Tensor | None = None
 ) -> Tensor:
-    """G / max|G|, then / (‖·‖_F + eps), per matrix, in fp32 (fp64 stays fp64), returned in
-    `out_dtype` (default: that fp32/fp64). The scaled copy is written into `scratch` (a
-    contiguous tensor of G's shape in fp32/fp64; G itself is allowed) or a new tensor, the second
-    division in place (why: proofs/ns_notes.md)."""
+    """G / max|G| / (‖·‖_F + eps) per matrix in fp32 (fp64 stays fp64), returned in `out_dtype`
+    (default: that dtype); written into `scratch` (contiguous, G's shape, fp32/fp64; may be G)."""
     dt = torch.promote_types(G.dtype, torch.float32)
     dims = (-2, -1)
     if G.dim() == 2:  # one aminmax pass over G (over dims it is the slow path)
@@ -53,10 +50,8 @@ def gram(
     impl: str,
     scratch: Sequence[Tensor] = (),
 ) -> Tensor:
-    """Gram NS from the normalized X, which is consumed. In plain eager mode each restart writes
-    the new iterate into an already-touched buffer instead of a fresh, page-faulting one: one of
-    `scratch` (tensors of X's shape and dtype that may hold intermediate iterates, never the
-    result) or a dead earlier iterate."""
+    """Gram NS from the normalized X, which is consumed. Eager restarts write into `scratch`
+    (X's shape and dtype; never the result) or a dead iterate (proofs/buffers.md)."""
     # Q = q·I + Qz; Qz None means Q = q·I (see dmuon::gram_ns_step for why the split).
     R = torch.ops.dmuon.syrk(X, impl=impl)
     Qz, q = None, 1.0
@@ -76,8 +71,8 @@ def gram(
 
 
 def halves(buf: Tensor | None, X: Tensor) -> tuple[Tensor, ...]:
-    """Two tensors of X's shape and dtype in buf's storage, when buf (which holds nothing live
-    while the iterates run) is at least twice X's size: bf16 iterates in an fp32 buffer."""
+    """Two tensors of X's shape and dtype in the storage of buf (nothing live in it), when it is
+    at least twice X's size (bf16 iterates in an fp32 buffer); else ()."""
     if buf is None or 2 * X.element_size() > buf.element_size():
         return ()
     flat = buf.view(-1).view(X.dtype)
@@ -85,8 +80,8 @@ def halves(buf: Tensor | None, X: Tensor) -> tuple[Tensor, ...]:
 
 
 def apply_q(Qz: Tensor | None, q: float, X: Tensor, out: Tensor | None = None) -> Tensor:
-    """(q·I + Qz)·X with the identity part added in the GEMM's fp32 accumulation; written into
-    and returned as `out` (X's shape and dtype, not X) when given in plain eager mode."""
+    """(q·I + Qz)·X, the identity added in the GEMM's accumulation; in eager written into `out`
+    (X's shape and dtype, not X) if given."""
     if not plain_eager():
         out = None
     if Qz is None:

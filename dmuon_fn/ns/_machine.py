@@ -1,8 +1,9 @@
-"""What the dispatch (dmuon_fn/ns/_dispatch.py) reads off the machine: the CPU's identity and
-flags, timing races, and the rules that turn times into choices (pure functions of the times)."""
+"""What the dispatch (`_dispatch.py`) reads off the machine: the CPU's identity and flags, timing
+races, and the pure rules that turn times into choices (why: proofs/ns_notes.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -26,20 +27,16 @@ _KEY_FLAGS = _BF16_FLAGS | {"avx2", "fma", "avx512f", "avx512_vnni", "amx_tile",
 
 def _cpuinfo(*keys: str) -> str | None:
     """The value of the first /proc/cpuinfo line keyed by one of `keys` (None: none, unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in keys:
-            return value
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in keys:
+                return value
     return None
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags ("flags" on x86, "Features" on Arm); empty where they cannot be
-    read (then nothing is decided by flags)."""
+    """The CPU's feature flags ("flags" on x86, "Features" on Arm); empty if unreadable."""
     return frozenset((_cpuinfo("flags", "Features") or "").split())
 
 
@@ -90,9 +87,8 @@ def race(
     clock: Callable[[Callable[[], object]], float] = wall_clock,
     limit: float = math.inf,
 ) -> dict:
-    """Best seconds of `reps` runs per candidate after one warm-up each, round-robin, so a burst
-    of other load (or a GPU raising its clocks) hits all of them alike. `clock(fn)` times one
-    run; a candidate whose best exceeds `limit` is timed no more."""
+    """Best seconds of `reps` runs per candidate after one warm-up each, round-robin; `clock(fn)`
+    times one run; a candidate whose best exceeds `limit` is timed no more."""
     best = {k: math.inf for k in candidates}
     live = dict(candidates)
     for rep in range(reps + 1):
@@ -110,9 +106,10 @@ def choose_dtype(t_fp32: float, t_bf16: float) -> bool:
     return t_bf16 * BF16_WIN <= t_fp32
 
 
-def _wins_from(times: Mapping[float, tuple[float, float]]) -> float:
+def choose_aspect(times: Mapping[float, tuple[float, float]]) -> float:
     """The smallest key at which the challenger beat the incumbent there and at every larger key
-    (times[key] = (incumbent, challenger) seconds); inf if it lost at the largest."""
+    (times[key] = (incumbent, challenger) seconds, e.g. (standard, gram) per aspect); inf if it
+    lost at the largest."""
     won = math.inf
     for k in sorted(times, reverse=True):
         if times[k][1] >= times[k][0]:
@@ -122,8 +119,8 @@ def _wins_from(times: Mapping[float, tuple[float, float]]) -> float:
 
 
 def _start(sizes: Sequence[float], n: float) -> float:
-    """Where a choice measured at size n (one of the sorted `sizes`) starts: the geometric
-    midpoint to the next smaller size, n/√2 below the smallest."""
+    """Where a choice measured at size n of the sorted `sizes` starts: the geometric midpoint to
+    the next smaller size, n/√2 below the smallest."""
     i = sizes.index(n)
     return math.sqrt(n * sizes[i - 1]) if i else n / math.sqrt(2)
 
@@ -143,15 +140,8 @@ def choose_strips(times: Mapping[int, Mapping[int, float]]) -> tuple[tuple[int, 
     return tuple(table)
 
 
-def choose_aspect(times: Mapping[float, tuple[float, float]]) -> float:
-    """Gram from the smallest aspect at which it beat standard NS there and at every larger
-    aspect (times[aspect] = (standard, gram)); inf if it lost at the largest."""
-    return _wins_from(times)
-
-
 def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
     """Rows from which the triangle kernel runs (times[n] = (one GEMM, triangle) at n rows): the
-    `_start` of the smallest size at which it won there and at every larger size; inf if it lost
-    at the largest."""
-    n = _wins_from(times)
+    `_start` of `choose_aspect(times)`; inf if it lost at the largest."""
+    n = choose_aspect(times)
     return n if math.isinf(n) else float(round(_start(sorted(times), n)))

@@ -1,6 +1,5 @@
-"""Orthogonalization by Newton-Schulz: O ≈ U·Vᵀ for G = U·Σ·Vᵀ.
-
-The algorithm, once (see proofs/gram_ns.md, proofs/ns_symmetry.md, proofs/normalization.md):
+"""Orthogonalization by Newton-Schulz: O ≈ U·Vᵀ for G = U·Σ·Vᵀ. The algorithm, once (proofs:
+gram_ns.md, ns_symmetry.md, normalization.md):
 
     1. if rows > cols: X ← Gᵀ             iterate on the short side
     2. X ← X / max|X|                     in fp32 (fp64 stays fp64): no overflow, exact zeros kept
@@ -11,9 +10,7 @@ The algorithm, once (see proofs/gram_ns.md, proofs/ns_symmetry.md, proofs/normal
                for step i, (a, b, c) in schedule:
                    if i is a restart: X ← Q·X; R ← X·Xᵀ; Q ← I
                    P ← a·I + b·R + c·R²;  Q ← P·Q;  R ← P·R·P   (dmuon::gram_ns_step)
-               X ← Q·X
-               (Q and P are carried as scalar·I + matrix so the identity never rounds; the
-               default restarts are every second step: `_cost.default_restarts`)
+               X ← Q·X      (Q, P carried as scalar·I + matrix; restarts: `default_restarts`)
     5. undo the transpose, cast back to G's dtype
 """
 
@@ -35,25 +32,15 @@ _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 @dataclass(frozen=True)
 class NSConfig:
-    """Keyword configuration of `orthogonalize`, shared by the update functions and `Muon`.
+    """Keyword configuration of `orthogonalize`, shared by the update functions and `Muon`."""
 
-    steps: number of quintic steps, always honoured.
-    coefficients: "polar_express" | "you" | "keller" or explicit (a, b, c) rows.
-    method: "auto" (Gram from the long/short ratio the device's dispatch measured) | "gram" |
-        "standard".
-    eps: added to the Frobenius norm before dividing.
-    restarts: Gram restart steps (default: `default_restarts(steps)`).
-    kernel: SYRK kernel name, None for $DMUON_NS_KERNEL or the device's auto choice.
-    dtype: iteration dtype, None for the device default (float64 input: float64).
-    """
-
-    steps: int = 5
-    coefficients: str | tuple[tuple[float, float, float], ...] = "polar_express"
-    method: str = "auto"
-    eps: float = 1e-7
-    restarts: tuple[int, ...] | None = None
-    kernel: str | None = None
-    dtype: torch.dtype | None = None
+    steps: int = 5  # quintic steps, always honoured
+    coefficients: str | tuple[tuple[float, float, float], ...] = "polar_express"  # preset or rows
+    method: str = "auto"  # | "gram" | "standard"; auto: Gram from the device's long/short ratio
+    eps: float = 1e-7  # added to the Frobenius norm before dividing
+    restarts: tuple[int, ...] | None = None  # Gram restart steps; None: default_restarts(steps)
+    kernel: str | None = None  # SYRK kernel; None: $DMUON_NS_KERNEL, else the device's choice
+    dtype: torch.dtype | None = None  # iteration dtype; None: the device's (float64 in: float64)
 
     def __post_init__(self) -> None:
         if not isinstance(self.coefficients, str):
@@ -86,21 +73,15 @@ def orthogonalize(
     kernel: str | None = None,
     dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Approximate the polar factor U·Vᵀ of G (..., m, n) by `steps` Newton-Schulz steps.
-
-    G: a matrix or a batch of same-shape matrices (leading dims), any floating dtype.
-    Returns the same shape and dtype as G. Each matrix is normalized on its own.
-    """
+    """The polar factor U·Vᵀ of each matrix of G (..., m, n), any floating dtype, approximated
+    by `steps` Newton-Schulz steps; G's shape and dtype (options: `NSConfig`)."""
     cfg = NSConfig(steps, coefficients, method, eps, restarts, kernel, dtype)  # validates them
     return orthogonalize_with(G, cfg)
 
 
 def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> Tensor:
-    """`orthogonalize` with a prebuilt, validated `NSConfig`.
-
-    overwrite: G is a temporary its caller no longer reads (muon_update's Nesterov input), so a
-    wide, contiguous fp32/fp64 G's own buffer may hold the normalized copy and the result.
-    """
+    """`orthogonalize` with a validated `NSConfig`. overwrite: the caller no longer reads G, so
+    a wide, contiguous fp32/fp64 G's buffer may hold the normalized copy and the result."""
     if G.dim() < 2 or not G.is_floating_point():
         raise ValueError(
             f"orthogonalize needs a floating matrix or batch of matrices (..., m, n), "
@@ -123,9 +104,8 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     dt = torch.promote_types(G.dtype, torch.float32)
     # float64 input (a reference computation) iterates in float64
     it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
-    # In plain eager mode one contiguous buffer holds the normalized copy and, when the iterates
-    # are narrower than G, the result. Either way G is transposed before normalizing, into a
-    # contiguous layout, so G and Gᵀ give bitwise-transposed results.
+    # Eager: one contiguous buffer holds the normalized copy and, under narrower iterates, the
+    # result. G is transposed before normalizing, so G and Gᵀ give bitwise-transposed results.
     buf = None
     if plain_eager():
         reuse = overwrite and not tall and G.dtype == dt and G.is_contiguous()

@@ -1,1 +1,1 @@
-"""planning"""
+"""Partition plans: the planner, its summary, the cross-rank checks, one rank's view."""

@@ -1,9 +1,6 @@
-"""Cross-rank checks that every rank computed the same partition plan and setup.
-
-Each gathers a small JSON record from every rank of a group (comm/_agree.py); every rank sees
-every record, so either all ranks return or all raise `PlanMismatchError`, naming what differs
-(proofs/partition.md §6).
-"""
+"""Cross-rank checks that every rank computed the same plan and setup: each gathers a small JSON
+record from every rank of the group, so all ranks return or all raise `PlanMismatchError` naming
+what differs (proofs/partition.md §6)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,8 @@ def _h32(text: str) -> int:
 
 
 def param_hashes(plan: Plan) -> list[int]:
-    """One int64 per parameter in name order: name hash << 32 | (name, shape, slot) hash (with
-    tensor parallelism the layout and tensor slot join the second)."""
+    """One int64 per parameter in name order: name hash << 32 | (name, shape, slot[, layout,
+    tensor slot]) hash."""
     out = []
     tensor = list(zip(plan.layouts, plan.tensor_slots, strict=True)) if plan.tensor_slots else []
     for i, (n, sh, s) in enumerate(zip(plan.names, plan.shapes, plan.slots, strict=True)):
@@ -39,18 +36,14 @@ def param_hashes(plan: Plan) -> list[int]:
 
 
 def _disagreement(record: object, group: dist.ProcessGroup | None) -> tuple[list, int | None]:
-    """Every rank's `record` (two small all_gathers) and the first group rank whose record
-    differs from rank 0's, or None."""
+    """Every rank's `record`, and the first group rank whose record differs from rank 0's."""
     records = all_gather_json(record, group)
     return records, next((r for r, rec in enumerate(records) if rec != records[0]), None)
 
 
 def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) -> str:
-    """Raise `PlanMismatchError` on every rank unless all ranks of `group` hold the same plan.
-
-    Two small all_gathers over `group` (default: the world; with NCCL the current CUDA device
-    must be set). Returns the common digest.
-    """
+    """The common digest, or `PlanMismatchError` on every rank unless all ranks of `group`
+    (default: the world; NCCL: set the CUDA device) hold the same plan."""
     record = [plan.digest(), plan.world_size, plan.replicate_size, param_hashes(plan)]
     records, bad = _disagreement(record, group)
     ref = records[0]
@@ -58,11 +51,9 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
         return ref[0]
     other, here = records[bad], dist.get_rank(group)
     # the first differing parameter, and whether the two ranks agree on its name
-    i, same_name = min(len(ref[3]), len(other[3])), False
-    for j, (u, v) in enumerate(zip(ref[3], other[3], strict=False)):
-        if u != v:
-            i, same_name = j, (u >> 32) == (v >> 32)
-            break
+    pairs = list(zip(ref[3], other[3], strict=False))
+    i = next((j for j, (u, v) in enumerate(pairs) if u != v), len(pairs))
+    same_name = i < len(pairs) and (pairs[i][0] >> 32) == (pairs[i][1] >> 32)
     if i < len(plan.names):
         local = (
             f"on this rank ({here}) that is {plan.names[i]!r} with shape {plan.shapes[i]} "
@@ -84,8 +75,7 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
 
 def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | None = None) -> None:
     """Raise `PlanMismatchError` on every rank unless all ranks of `group` report the same
-    `fields` (e.g. the Newton-Schulz kernel each rank resolved): two small all_gathers; nothing
-    without a process group or on one rank."""
+    `fields` (e.g. each rank's NS kernel); nothing without a process group or on one rank."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     records, r = _disagreement(dict(fields), group)
@@ -101,9 +91,8 @@ def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | No
 
 
 def kernel_field(name: str | None, device: torch.device) -> tuple[str, Exception | None]:
-    """The NS kernel this rank resolves, for `check_setup_consistent`, and the error if it
-    cannot (to raise after the check, so that every rank raises instead of leaving the others
-    waiting in the check's collective)."""
+    """The NS kernel this rank resolves, and the error if it cannot, to raise after the check
+    (proofs/partition.md §6)."""
     try:
         return custom_ops.resolve_kernel(name, device).name, None
     except (ValueError, RuntimeError) as e:

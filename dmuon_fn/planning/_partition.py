@@ -1,11 +1,8 @@
 """The partition planner: which rank owns (orthogonalizes and updates) each dedicated parameter.
 
-`partition` is a pure function of (names, shapes, world size, replicate size, cost options) to a
-frozen `Plan` of plain Python data, equal on every rank without communicating
-(`check_plan_consistent` verifies it) and runnable under FakeTensorMode. A parameter's cost in
-FLOPs: a matrix (>= 2 dims, viewed as (shape[0], prod(shape[1:]))) costs `ns_flops` of that view
-plus `flops_per_byte` · its bytes; anything else the byte term alone. Scheduling units: each
-matrix alone, and each layer's (`layer_keys`) other parameters together (proofs/partition.md).
+`partition` is a pure function of (names, shapes, sizes, cost options) to a frozen `Plan` of plain
+Python data, equal on every rank without communicating and runnable under FakeTensorMode. Cost
+model, scheduling units and guarantees: proofs/partition.md.
 """
 
 from __future__ import annotations
@@ -22,12 +19,10 @@ from typing import Any
 from custom_ops._lpt import SPREAD_TOLERANCE, schedule
 from custom_ops._lpt import slot_loads as per_slot_sums
 
-from ..ns._cost import GRAM_MIN_ASPECT, ns_flops
+from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
 FLOPS_PER_BYTE = 1024.0
-
-_ShapeLike = Sequence[int]
 
 
 def _numeric(part: str) -> bool:
@@ -35,14 +30,9 @@ def _numeric(part: str) -> bool:
 
 
 def layer_keys(names: Iterable[str]) -> dict[str, str]:
-    """Layer of each parameter name: the module prefix up to its outermost repeated index.
-
-    PyTorch names repeated blocks by a decimal index (ModuleList/Sequential), whatever the
-    attribute is called: `model.layers.3`, `blocks.3`, `transformer.h.3`. The key is the name up
-    to the outermost numeric component whose siblings take at least two values (so a wrapper
-    `model.0.layers.3` keys on `layers.3`), else up to the outermost numeric component, else the
-    parent module (`lm_head.weight` -> `lm_head`). Experts inside a block share the block's key.
-    """
+    """Layer key of each name: the prefix up to its outermost numeric component whose siblings
+    take two or more values (`model.0.layers.3`), else up to its outermost numeric component, else
+    the parent module (`lm_head`); proofs/partition.md §4."""
     names = list(names)
     split = {n: n.split(".") for n in names}
     seen: dict[tuple[str, ...], set[str]] = defaultdict(set)
@@ -61,33 +51,26 @@ def layer_keys(names: Iterable[str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Owner of every dedicated parameter; plain Python data, identical on every rank.
+    """Owner slot of every dedicated parameter; plain data, identical on every rank. Slot s (of
+    world_size = shard_size · replicate_size) is global rank s of a (replicate, shard) mesh: shard
+    s % shard_size of replica s // shard_size. The owner keeps the fp32 master and optimizer state
+    and runs the update; its shard column holds the full parameter between steps."""
 
-    world_size = shard_size · replicate_size slots; slot s is shard s % shard_size of replica
-    s // shard_size (global rank s of a (replicate, shard) mesh; the rank on a 1-D mesh). The
-    owner holds a parameter's fp32 master and optimizer state and runs its update; every rank of
-    its shard column (same shard, any replica) holds the full parameter between steps.
-
-    Per parameter, in name order: names, shapes, slots (owner slot), layers (layer key), matrix
-    (Muon vs elementwise), costs (FLOPs), nbytes, ns_flops (the Newton-Schulz part of the cost,
-    0 for elementwise params). Per slot: slot_loads (sum of costs), slot_bytes (sum of bytes).
-    """
-
+    # per parameter in name order, but for the sizes and slot_* (per slot)
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    slots: tuple[int, ...]
-    layers: tuple[str, ...]
-    matrix: tuple[bool, ...]
-    costs: tuple[float, ...]
+    slots: tuple[int, ...]  # owner slot
+    layers: tuple[str, ...]  # layer key
+    matrix: tuple[bool, ...]  # Muon (else elementwise)
+    costs: tuple[float, ...]  # FLOPs
     nbytes: tuple[int, ...]
     world_size: int
     replicate_size: int
-    slot_loads: tuple[float, ...]
-    slot_bytes: tuple[int, ...]
-    ns_flops: tuple[float, ...]
-    # tensor parallelism (`tensor_size` > 1, or `layouts` given): each parameter's layout over
-    # the tensor-parallel ranks, and the tensor rank of its owner slot that runs its
-    # Newton-Schulz (the owner slot's T tensor ranks each hold and update a part of it)
+    slot_loads: tuple[float, ...]  # per slot: sum of costs
+    slot_bytes: tuple[int, ...]  # per slot: sum of nbytes
+    ns_flops: tuple[float, ...]  # per parameter: the Newton-Schulz part of its cost (elementwise 0)
+    # tensor parallelism: each parameter's layout, and the tensor rank of its owner slot that runs
+    # its Newton-Schulz (the slot's T tensor ranks each hold and update a part of it)
     tensor_size: int = 1
     tensor_slots: tuple[int, ...] = ()
     layouts: tuple[str, ...] = ()
@@ -110,7 +93,7 @@ class Plan:
         return self.slots[self._index(name)]
 
     def coords(self, slot: int) -> tuple[int, int]:
-        """(shard, replica) of `slot`: slot = replica · shard_size + shard."""
+        """(shard, replica) of `slot`."""
         return slot % self.shard_size, slot // self.shard_size
 
     def label(self, slot: int) -> int | tuple[int, int]:
@@ -118,17 +101,16 @@ class Plan:
         return slot if self.replicate_size == 1 else self.coords(slot)
 
     def owner(self, name: str) -> int | tuple[int, int]:
-        """Owner rank of `name` (1-D mesh), or its (shard, replicate) coordinates under HSDP."""
+        """`label` of `name`'s owner slot."""
         return self.label(self.slot(name))
 
     def tensor_slot(self, name: str) -> int:
-        """The tensor-parallel rank of `name`'s owner slot that orthogonalizes it (0 without
-        tensor parallelism)."""
+        """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP)."""
         return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
     def canonical(self) -> str:
-        """The encoding `digest` hashes: JSON of sizes and (name, shape, slot) in name order;
-        with tensor parallelism also the tensor size and (layout, tensor slot) per name."""
+        """The JSON `digest` hashes: sizes and (name, shape, slot) in name order; with tensor
+        parallelism also the tensor size and (layout, tensor slot) per name."""
         body = {
             "world_size": self.world_size,
             "replicate_size": self.replicate_size,
@@ -148,8 +130,7 @@ class Plan:
 
 
 def _check(name: str, value: object, ok: Callable[[float], bool], want: str) -> Any:
-    """`value` if it is a number (an int or float, not a bool) that `ok` accepts; else a
-    ValueError saying "`name` must be `want`"."""
+    """`value` if it is an int or float (not a bool) that `ok` accepts; else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
         raise ValueError(f"{name} must be {want}, got {value!r}")
     return value
@@ -186,7 +167,7 @@ def _pairs(named_shapes) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def partition(
-    named_shapes: Mapping[str, _ShapeLike] | Iterable[tuple[str, _ShapeLike]],
+    named_shapes: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int]]],
     world_size: int,
     *,
     replicate_size: int = 1,
@@ -202,22 +183,17 @@ def partition(
     tensor_size: int = 1,
     layouts: Mapping[str, str] | None = None,
 ) -> Plan:
-    """Assign every parameter exactly one owner slot, balancing the costs (module docstring).
+    """One owner slot per parameter of `named_shapes` ({name: shape} or pairs), costs balanced.
 
-    named_shapes: {name: shape} (or (name, shape) pairs) of the dedicated parameters.
-    world_size: owner slots = ranks of the job (shard_size · replicate_size under HSDP).
-    replicate_size: HSDP replicas; each matrix is still orthogonalized once in the job.
-    elementwise: names updated elementwise (AdamW) though they have >= 2 dims, costed by size.
+    world_size: slots = ranks of the job (shard_size · replicate_size under HSDP).
+    elementwise: names of >= 2 dims updated elementwise (AdamW), costed by size.
     steps, method, sym_discount, gram_min_aspect: as `orthogonalize` will run (`ns_flops`).
     bytes_per_elem, flops_per_byte: the byte term (fp32 master: 4 bytes).
     refine: False gives plain LPT; True adds refinement, layer spreading and byte balance.
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
         may be and still be chosen (0: never above plain LPT's maximum load).
-    tensor_size, layouts: tensor parallelism (T ranks; {name: layout} for every name, e.g.
-        "Shard(0)", "Replicate()", "plain"; default all "plain"); shapes are whole parameters'.
-        Each slot's matrices are spread over its T tensor ranks (`Plan.tensor_slots`).
-
-    The result depends only on the set of (name, shape) pairs and the options.
+    tensor_size, layouts: T tensor ranks; {name: layout} for every name ("Shard(0)",
+        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'.
     """
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
@@ -228,8 +204,7 @@ def partition(
         )
     steps = _check_int("steps", steps, 1)
     bytes_per_elem = _check_int("bytes_per_elem", bytes_per_elem, 1)
-    if method not in ("auto", "gram", "standard"):
-        raise ValueError(f"method must be 'auto', 'gram' or 'standard', got {method!r}")
+    ns_method((1, 1), method)  # validates
     _check("sym_discount", sym_discount, lambda v: 0 < v <= 1, "in (0, 1]")
     for key, val in (("flops_per_byte", flops_per_byte), ("spread_tolerance", spread_tolerance)):
         _check(key, val, lambda v: 0 <= v < math.inf, "finite and >= 0")
@@ -246,7 +221,7 @@ def partition(
     ew = set(elementwise)
     matrix = [len(sh) >= 2 and n not in ew for n, sh in pairs]
     nbytes = [math.prod(sh) * bytes_per_elem for _, sh in pairs]
-    # the Newton-Schulz part of each cost (0 for elementwise params; 0.0 + the byte term is exact)
+    # 0.0 for elementwise params: 0.0 + the byte term is exact
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
     ns = [
         ns_flops((sh[0], math.prod(sh) // sh[0]), **ns_kw, min_aspect=gram_min_aspect) if m else 0.0
@@ -309,9 +284,8 @@ def partition(
 
 
 def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
-    """Per parameter, the tensor rank of its owner slot that runs its Newton-Schulz: each
-    slot's matrices scheduled over its `tensor_size` ranks by their Newton-Schulz FLOPs
-    (elementwise parameters, with none, stay on rank 0)."""
+    """Per parameter, its owner slot's tensor rank that runs its Newton-Schulz: each slot's
+    matrices scheduled by NS FLOPs (proofs/partition.md §8)."""
     out = [0] * len(slots)
     per_slot: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(slots):

@@ -1,11 +1,6 @@
-"""The plan a job runs, readable (proofs/summary.md).
-
-`plan_summary(plan)` reads a `Plan` or an `FnPlan` into a frozen `PlanSummary`: one row per owner
-slot (the matrices it orthogonalizes, its Newton-Schulz FLOPs and bytes) and the job's totals.
-`str()` is a compact table, `as_dict()` the same as JSON-ready data. Given one device's GEMM rate
-in FLOP/s (`measure_gemm_flops()`, or a figure) it adds the busiest rank's Newton-Schulz seconds
-per step. The FLOPs are the planner's own counts (`Plan.ns_flops`).
-"""
+"""The plan a job runs, readable: `plan_summary(plan)` is a frozen `PlanSummary` of per-slot rows
+and job totals (FLOPs: `Plan.ns_flops`), `str()` a compact table, `as_dict()` JSON-ready data;
+with a GEMM rate, seconds per step. Guarantees: proofs/summary.md."""
 
 from __future__ import annotations
 
@@ -27,58 +22,45 @@ _NAME_WIDTH = 40
 
 @dataclass(frozen=True)
 class SlotSummary:
-    """One owner slot (global rank `slot` of a (replicate, shard) mesh); `owner`: that rank on a
-    1-D mesh, its (shard, replica) under HSDP.
-
-    matrices: the matrices it orthogonalizes, in name order; others: how many parameters it
-    updates elementwise. ns_flops: Newton-Schulz FLOPs per step of its matrices; share: of the
-    job's (0 if none). nbytes: fp32 master bytes of everything it owns. largest: its matrix with
-    the most NS FLOPs (the first in name order on ties), None if none.
-    """
+    """One owner slot (global rank `slot` of a (replicate, shard) mesh)."""
 
     slot: int
-    owner: int | tuple[int, int]
-    matrices: tuple[str, ...]
-    others: int
-    ns_flops: float
-    share: float
-    nbytes: int
-    largest: str | None
+    owner: int | tuple[int, int]  # `Plan.label(slot)`
+    matrices: tuple[str, ...]  # those it orthogonalizes, in name order
+    others: int  # how many parameters it updates elementwise
+    ns_flops: float  # Newton-Schulz FLOPs per step of its matrices
+    share: float  # of the job's NS FLOPs (0 if none)
+    nbytes: int  # fp32 master bytes of everything it owns
+    largest: str | None  # its matrix with the most NS FLOPs (first in name order), None if none
     largest_shape: tuple[int, ...] | None
     largest_ns_flops: float
-    # tensor parallelism: the NS FLOPs of each of the slot's tensor ranks; () without
-    tensor_ns_flops: tuple[float, ...] = ()
+    tensor_ns_flops: tuple[float, ...] = ()  # per tensor rank of the slot; () without TP
 
     @property
     def rank_ns_flops(self) -> float:
-        """NS FLOPs of the slot's busiest rank (the slot itself without tensor parallelism)."""
+        """NS FLOPs of the slot's busiest tensor rank (without TP: the slot's)."""
         return max(self.tensor_ns_flops) if self.tensor_ns_flops else self.ns_flops
 
 
 @dataclass(frozen=True)
 class PlanSummary:
-    """A plan's per-slot rows (`slots`, index = slot) and the job's Newton-Schulz totals.
-
-    busiest/least: slots with the most/least NS FLOPs (lowest slot on ties). largest: the matrix
-    with the most NS FLOPs in the job. gemm_flops: FLOP/s of one device's GEMM, or None.
-    """
+    """A plan's per-slot rows (`slots`, index = slot) and the job's Newton-Schulz totals."""
 
     world_size: int
     replicate_size: int
     slots: tuple[SlotSummary, ...]
     total_ns_flops: float
     total_bytes: int
-    busiest: int
-    least: int
-    largest: str | None
+    busiest: int  # the slot with the most NS FLOPs (lowest on ties)
+    least: int  # the slot with the least
+    largest: str | None  # the job's matrix with the most NS FLOPs
     largest_shape: tuple[int, ...] | None
     largest_ns_flops: float
-    gemm_flops: float | None = None
+    gemm_flops: float | None = None  # FLOP/s of one device's GEMM
     tensor_size: int = 1  # tensor-parallel ranks per slot: the job has world_size · this ranks
 
     @property
     def busiest_ns_flops(self) -> float:
-        """The busiest rank's (under tensor parallelism: the busiest tensor rank's)."""
         return self.slots[self.busiest].rank_ns_flops
 
     @property
@@ -102,7 +84,7 @@ class PlanSummary:
 
     @property
     def busiest_seconds(self) -> float | None:
-        """The busiest slot's Newton-Schulz seconds per step at `gemm_flops` (None without)."""
+        """The busiest rank's NS seconds per step at `gemm_flops` (None without)."""
         return None if self.gemm_flops is None else self.busiest_ns_flops / self.gemm_flops
 
     @property
@@ -110,7 +92,7 @@ class PlanSummary:
         return None if self.gemm_flops is None else self.bound_ns_flops / self.gemm_flops
 
     def as_dict(self) -> dict:
-        """Plain data (lists, str, int, float, None): `json.dumps` takes it as it is."""
+        """Plain data (lists, str, int, float, None) for `json.dumps`."""
         d = {
             "world_size": self.world_size,
             "replicate_size": self.replicate_size,
@@ -141,9 +123,6 @@ class PlanSummary:
         return "\n".join(_render(self))
 
 
-# ---------------------------------------------------------------------------- building
-
-
 def _plain(x: object) -> object:
     """`x` with every tuple a list, through dicts and lists."""
     if isinstance(x, dict):
@@ -152,8 +131,7 @@ def _plain(x: object) -> object:
 
 
 def _largest(plan: Plan, idx: list[int]) -> dict:
-    """largest, largest_shape, largest_ns_flops: the matrix among `idx` with the most NS FLOPs
-    (the first in name order on ties), or None, None, 0.0 if `idx` is empty."""
+    """largest, largest_shape, largest_ns_flops of the matrices `idx` (None, None, 0.0 if none)."""
     top = max(idx, key=lambda i: (plan.ns_flops[i], -i), default=None)
     if top is None:
         return {"largest": None, "largest_shape": None, "largest_ns_flops": 0.0}
@@ -162,9 +140,8 @@ def _largest(plan: Plan, idx: list[int]) -> dict:
 
 
 def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummary:
-    """Per-slot rows and job totals of `plan`, a `Plan` or an `FnPlan`; pure. gemm_flops:
-    FLOP/s of one device's GEMM in the NS iteration dtype (`measure_gemm_flops()`, or e.g. 4e14
-    for an H100 in bf16) adds seconds per step."""
+    """Per-slot rows and job totals of a `Plan` or an `FnPlan`; gemm_flops (FLOP/s of one
+    device's GEMM in the NS iteration dtype, `measure_gemm_flops()`) adds seconds per step."""
     part = getattr(plan, "partition", None)  # an FnPlan's Plan
     plan = part if isinstance(part, Plan) else plan
     if not isinstance(plan, Plan):
@@ -223,13 +200,9 @@ def measure_gemm_flops(
     dtype: torch.dtype | None = None,
     n: int | None = None,
 ) -> float:
-    """FLOP/s of an n×n GEMM on `device` in `dtype`: 2n³ over the best of 3 timed runs after a
-    warm-up; an upper estimate of the NS iteration's rate (its products are this GEMM or smaller).
-
-    device: default the current CUDA device, else the CPU. dtype: default the NS iteration dtype
-    the dispatch picks there (`iteration_dtype`; measured once per CPU machine, then cached).
-    n: default 1024 on a CPU, 8192 on CUDA (large enough to reach a GPU's GEMM rate).
-    """
+    """FLOP/s of an n×n GEMM (best of 3 after a warm-up) on `device` (default: the current CUDA
+    device, else the CPU) in `dtype` (default: its NS iteration dtype); n defaults to 1024 on a
+    CPU, 8192 on CUDA."""
     device = _default_device() if device is None else torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(
@@ -253,16 +226,12 @@ def measure_gemm_flops(
     return 2.0 * n**3 / best
 
 
-# ---------------------------------------------------------------------------- rendering
-
-
 _SI = ("", "k", "M", "G", "T", "P", "E")
 _BINARY = ("", "Ki", "Mi", "Gi", "Ti", "Pi")
 
 
 def _scaled(x: float, unit: str, binary: bool = False) -> tuple[float, str]:
-    """(divisor, label) that put `x` in [1, 1000) with an SI prefix, or in [1, 1024) with a
-    binary one (KiB, MiB, ...)."""
+    """(divisor, label) putting `x` in [1, 1000) with an SI prefix, or [1, 1024) with KiB, MiB..."""
     base, prefixes = (1024.0, _BINARY) if binary else (1000.0, _SI)
     k = 0
     while k + 1 < len(prefixes) and abs(x) >= base ** (k + 1):

@@ -1,11 +1,6 @@
-"""One rank's view of a `Plan`: where each parameter's owner sits relative to this rank.
-
-Both faces read ownership through it: the functional API's `FnPlan` and the object API's
-`Topology` (dedicated/_entries.py). A rank at (shard_rank, replica_rank) is the *local owner*
-of a parameter whose owner slot has its shard index (it holds the full parameter between
-steps), and the *global owner* when the replica matches too (it holds the master and the
-optimizer state, and runs the update).
-"""
+"""One rank's view of a `Plan`, read by both faces: the rank at (shard_rank, replica_rank) is a
+parameter's *local owner* when its owner slot has the same shard (it holds the full parameter
+between steps), its *global owner* when the replica matches too (master, state, update)."""
 
 from __future__ import annotations
 
@@ -13,9 +8,8 @@ from dataclasses import dataclass
 
 from ._partition import Plan
 
-# per parameter: (owner shard, is local owner, shard size, owner replica, is owner replica,
-# replicate size), the ints the collective ops take
-Route = tuple[int, int, int, int, int, int]
+# (owner shard, is local owner, shard size, owner replica, is owner replica, replicate size)
+Route = tuple[int, int, int, int, int, int]  # the ints the collective ops take
 
 
 @dataclass(frozen=True)
@@ -27,7 +21,6 @@ class RankView:
     replica_rank: int = 0
 
     def coords(self, name: str) -> tuple[int, int]:
-        """(shard, replica) of `name`'s owner."""
         return self.plan.coords(self.plan.slot(name))
 
     def is_local_owner(self, name: str) -> bool:
