@@ -178,7 +178,8 @@ def install(d: CpuDispatch | None) -> None:
 def cpu_dispatch() -> CpuDispatch:
     """This process's CPU choices, decided on first use (cache or measurement)."""
     if _current is None:
-        install(_load_or_measure())
+        with torch._C._DisableFuncTorch():  # first use may come inside vmap or grad
+            install(_load_or_measure())
     return _current
 
 
