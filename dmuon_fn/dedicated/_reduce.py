@@ -1,11 +1,10 @@
 """Backward's gradient sums and their reduces onto the global owners (object API).
 
-Per bucket (`_units.Group`: a module's entries with one global owner and dtypes) the gradients
-of this forward's handed-out values are summed in one flat buffer of the reduce dtype, reduced
-onto the local owner over the shard group once complete (at the next call) or when the pass
-ends, and landed by `wait` as the mean over the G·R data ranks in the global owners' `.grad`
-(HSDP: after the second stage, across replicas). With sync off the sums stay on each rank
-until the next synchronized reduce (proofs/dedicated_notes.md).
+Per bucket (a module's `_units.Group`) the gradients of this forward's handed-out values are
+summed in one flat buffer of the reduce dtype, reduced onto the local owner over the shard group
+once complete (at the next call) or when the pass ends, and landed by `wait` as the mean over the
+G·R data ranks in the global owners' `.grad` (HSDP: after a second stage across replicas). With
+sync off the sums stay on each rank (proofs/dedicated_notes.md, proofs/prefetch.md claim 4).
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ class _Reduce:
 
 
 class Reducer:
-    """A model's gradient buckets and the reduces in flight; `depth` 0: every reduce is
-    issued and landed at once."""
+    """A model's gradient buckets and the reduces in flight; `depth` 0: every reduce is issued
+    and landed at once."""
 
     def __init__(self, topo: Topology, buckets: Sequence[Group], depth: int) -> None:
         self.topo, self.buckets, self.depth = topo, list(buckets), depth
@@ -44,7 +43,6 @@ class Reducer:
         self.ready: list[Group] = []  # complete gradient sums, reduced at the next call
 
     def expect(self, g: Group, e: Entry) -> None:
-        """A value of `e` was handed out: its gradient is owed to bucket `g`."""
         g.owed[g.index[id(e)]] += 1
 
     def forget_owed(self) -> None:
@@ -52,7 +50,7 @@ class Reducer:
             g.owed = [0] * len(g.entries)
 
     def deposit(self, g: Group, e: Entry, grad: Tensor) -> None:
-        """The gradient of one handed-out value of `e` (shape `e.shape`), into bucket `g`."""
+        """Add the gradient (shape `e.shape`) of one handed-out value of `e` into bucket `g`."""
         self.flush()
         i = g.index[id(e)]
         if g.flat is None:
@@ -76,16 +74,15 @@ class Reducer:
             self._reduce(g)
 
     def end_pass(self) -> None:
-        """The backward pass ended: reduce every sum (sync on), complete or not."""
+        """Reduce every sum (sync on), complete or not."""
         self.flush()
-        for g in self.buckets:
-            g.owed = [0] * len(g.entries)
-            if self.sync and g.flat is not None:
+        self.forget_owed()
+        if self.sync:
+            for g in self.buckets:
                 self._reduce(g)
 
     def _reduce(self, g: Group) -> None:
-        """Reduce the bucket's sum (what every backward since the last reduce left in it; the
-        parts of entries it holds no gradient for are zeros)."""
+        """Issue the reduce of the bucket's sum (zeros for entries it holds no gradient of)."""
         flat, members = g.flat, tuple(i for i, h in enumerate(g.has) if h)
         g.flat, g.has = None, [False] * len(g.entries)
         if flat is None:
@@ -102,11 +99,8 @@ class Reducer:
             self.wait()
 
     def wait(self) -> None:
-        """Land every issued reduce in the global owners' `.grad` (HSDP: after the second
-        stage, issued here in issue order)."""
+        """Land every issued reduce (HSDP: stage 2 issued here, in issue order)."""
         self.flush()
-        if not self.reduces:
-            return
         topo, pending, self.reduces = self.topo, self.reduces, []
         for r in pending:
             with blocked(), phase(f"backward (gradient reduce of {r.group.names})"):
@@ -120,8 +114,7 @@ class Reducer:
             self._land(r)
 
     def _land(self, r: _Reduce) -> None:
-        """The mean (sum / (G·R)) into each global owner's `.grad`: views of the reduced buffer
-        where the dtypes agree."""
+        """The mean (sum / (G·R)) into each global owner's `.grad`."""
         g, topo = r.group, self.topo
         scale = topo.shard_size * topo.replicate_size
         for i in r.members:

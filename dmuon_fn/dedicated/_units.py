@@ -1,14 +1,15 @@
-"""What the scheduler moves, and the walk that issues it ahead. A *unit* (one layer's module
-subtree, keyed as `planning/_partition.layer_keys` keys layers, or one module outside repeated
-blocks) is gathered together: per `Group` of its entries with one global owner and dtypes, one
-broadcast of their concatenation from the owner (`Flight`). One module's entries grouped alike
-form a reduce bucket (dedicated/_reduce.py).
+"""What the scheduler moves. A *unit* (one layer's module subtree, keyed as
+`planning/_partition.layer_keys` keys layers, or one module outside repeated blocks) is gathered
+per `Group` of its entries (one global owner and dtypes): one broadcast of their concatenation
+from the owner (a `Flight`). One module's entries grouped alike form a reduce bucket
+(dedicated/_reduce.py). Rationale: proofs/dedicated_notes.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from torch import Tensor
 
@@ -16,24 +17,19 @@ from ._entries import Entry, wait_work
 
 
 class Group:
-    """Entries with one global owner and dtypes, moved by one collective as one flat buffer of
-    `numel` elements (entry i at [offsets[i], offsets[i + 1])): a unit's gather group, or a
-    module's reduce bucket."""
+    """Entries with one global owner and dtypes, moved as one flat buffer of `numel` elements
+    (entry i at [offsets[i], offsets[i + 1])): a unit's gather group, or a module's bucket."""
 
     def __init__(self, entries: Sequence[Entry]) -> None:
         self.entries = tuple(entries)
         e0 = self.entries[0]
-        self.owner, self.dtype, self.reduce_dtype = e0.owner_shard, e0.dtype, e0.reduce_dtype
-        self.owner_replica = e0.owner_replica
-        self.device = e0.device
-        offsets = [0]
-        for e in self.entries:
-            offsets.append(offsets[-1] + e.shape.numel())
-        self.offsets, self.numel = tuple(offsets), offsets[-1]
+        self.owner, self.owner_replica, self.device = e0.owner_shard, e0.owner_replica, e0.device
+        self.dtype, self.reduce_dtype = e0.dtype, e0.reduce_dtype
+        self.offsets = (0, *accumulate(e.shape.numel() for e in self.entries))
+        self.numel = self.offsets[-1]
         self.index = {id(e): i for i, e in enumerate(self.entries)}
-        # backward (a bucket): per entry, handed-out values still owing a gradient; the sum of
-        # the gradients (kept across backward passes while gradient sync is off) in one flat
-        # buffer, and which entries it holds
+        # a bucket's backward: handed-out values per entry still owing a gradient; the sum of
+        # the gradients (kept across passes while sync is off), and which entries it holds
         self.owed = [0] * len(self.entries)
         self.flat: Tensor | None = None
         self.has = [False] * len(self.entries)
@@ -50,18 +46,16 @@ class Group:
 class Unit:
     key: str
     groups: tuple[Group, ...]
-    # id(entry) -> (index of its group, the group)
-    group_of: dict[int, tuple[int, Group]] = field(default_factory=dict)
-    # backward: re-gathered values still to be taken (Z3) before the re-gathered copy can go
-    owed_regathers: int = 0
+    owed_regathers: int = 0  # Z3 backward: re-gathered values still to be taken
+    handles: list[Tensor] = field(default_factory=list)  # of its slots (dedicated/_gather.py)
 
     def __post_init__(self) -> None:
+        # id(entry) -> (index of its group, the group)
         self.group_of = {id(e): (i, g) for i, g in enumerate(self.groups) for e in g.entries}
 
 
 def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
-    """`entries` (each once) grouped by (global owner, gather dtype, reduce dtype, device),
-    ordered by owner, first-seen order within."""
+    """`entries` (each once) grouped by (global owner, dtypes, device), ordered by owner."""
     groups: dict[tuple, list[Entry]] = {}
     for e in entries:
         key = ((e.owner_shard, e.owner_replica), e.dtype, e.reduce_dtype, e.device)
@@ -98,8 +92,8 @@ class Flight:
 
 
 class Cursor:
-    """A walk through the recorded unit order, forward (`step` 1) or backward (`step` -1: Z3's
-    re-gathers), with the gathers of the walk's next `depth` units issued ahead."""
+    """A walk through the recorded unit order, forward (`step` 1) or backward (-1: Z3's
+    re-gathers), with the next `depth` units' gathers issued ahead (`ahead`: position -> them)."""
 
     def __init__(
         self, issue: Callable[[Unit, str], Flight], depth: int, step: int, what: str
@@ -107,17 +101,15 @@ class Cursor:
         self.issue, self.depth, self.step, self.what = issue, depth, step, what
         self.order: list[Unit] = []
         self.pos = -1  # next expected index into `order`; -1: off the recorded order
-        self.ahead: dict[int, Flight] = {}  # position -> gathers issued ahead
+        self.ahead: dict[int, Flight] = {}
 
     def restart(self, order: list[Unit]) -> None:
-        """Walk `order` from its first unit (forward) or its last (backward)."""
         self.order = order
         self.pos = (0 if self.step > 0 else len(order) - 1) if order else -1
 
     def take(self, unit: Unit) -> Flight:
-        """`unit`'s gathers: those issued ahead if it is the walk's next unit; otherwise (off
-        the recorded order) those issued ahead are drained, the walk stops and `unit` is
-        gathered now. Then the next `depth` units' gathers are issued."""
+        """`unit`'s gathers: those issued ahead if it is the walk's next unit, else (off the
+        order) drain and stop the walk and gather it now; then issue the next `depth` units'."""
         flight = None
         if 0 <= self.pos < len(self.order) and self.order[self.pos] is unit:
             flight = self.ahead.pop(self.pos, None)
