@@ -1,19 +1,26 @@
 """The object API's records: one `Entry` per dedicated parameter, the `Topology` it moves over,
-and the asynchronous broadcast every move is made of.
+the `Group`s and `Unit`s it moves in, and the asynchronous broadcast every move is made of.
 
 Who holds what (`planning/_view.RankView`): the *local owner* (shard rank `owner_shard` of every
 replica) holds the full parameter between steps; the *global owner* (owner_shard, owner_replica)
 holds it in fp32 (the master) with its optimizer state and runs its update; every other rank
 holds a 0-size placeholder. Under tensor parallelism "the parameter" is this tensor rank's part.
+A *unit* (one layer's module subtree, keyed as `planning/_partition.layer_keys` keys layers, or
+one module outside repeated blocks) is gathered per `Group` (its entries with one global owner
+and dtypes): one broadcast of their concatenation from the owner. One module's entries grouped
+alike form a reduce bucket (dedicated/_schedule.py). Rationale: proofs/dedicated_notes.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch import Tensor
 
 from ..comm._counters import blocked
 from ..comm._errors import phase
@@ -101,3 +108,60 @@ class Topology:
 
     def is_global_owner(self, e: Entry) -> bool:
         return self.view.is_global_owner(e.name)
+
+
+class Group:
+    """Entries with one global owner and dtypes, moved as one flat buffer of `numel` elements
+    (entry i at [offsets[i], offsets[i + 1])): a unit's gather group, or a module's bucket."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        self.entries = tuple(entries)
+        e0 = self.entries[0]
+        self.owner, self.owner_replica, self.device = e0.owner_shard, e0.owner_replica, e0.device
+        self.dtype, self.reduce_dtype = e0.dtype, e0.reduce_dtype
+        self.offsets = (0, *accumulate(e.shape.numel() for e in self.entries))
+        self.numel = self.offsets[-1]
+        self.index = {id(e): i for i, e in enumerate(self.entries)}
+        # a bucket's backward: handed-out values per entry still owing a gradient; the sum of
+        # the gradients (kept across passes while sync is off), and which entries it holds
+        self.owed = [0] * len(self.entries)
+        self.flat: Tensor | None = None
+        self.has = [False] * len(self.entries)
+
+    def part(self, flat: Tensor, i: int) -> Tensor:
+        return flat[self.offsets[i] : self.offsets[i + 1]].view(self.entries[i].shape)
+
+    @property
+    def names(self) -> str:
+        return ", ".join(e.name for e in self.entries)
+
+
+@dataclass(eq=False)
+class Unit:
+    key: str
+    groups: tuple[Group, ...]
+    owed_regathers: int = 0  # Z3 backward: re-gathered values still to be taken
+    handles: list[Tensor] = field(default_factory=list)  # of its slots (dedicated/_gather.py)
+
+    def __post_init__(self) -> None:
+        # id(entry) -> (index of its group, the group)
+        self.group_of = {id(e): (i, g) for i, g in enumerate(self.groups) for e in g.entries}
+
+
+def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
+    """`entries` (each once) grouped by (global owner, dtypes, device), ordered by owner."""
+    groups: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        key = ((e.owner_shard, e.owner_replica), e.dtype, e.reduce_dtype, e.device)
+        members = groups.setdefault(key, [])
+        if all(m is not e for m in members):
+            members.append(e)
+    return tuple(Group(m) for _, m in sorted(groups.items(), key=lambda kv: kv[0][0]))
+
+
+def make_units(keyed: Sequence[tuple[str, Entry]]) -> list[Unit]:
+    """Units from (unit key, entry) pairs (an entry in several units is gathered for each)."""
+    by_key: dict[str, list[Entry]] = {}
+    for key, e in keyed:
+        by_key.setdefault(key, []).append(e)
+    return [Unit(key, make_groups(es)) for key, es in by_key.items()]

@@ -21,10 +21,9 @@ from custom_ops._handles import new_handle
 
 from ..planning._partition import layer_keys
 from . import _fsdp_adapter as fsdp
-from ._entries import Entry
+from ._entries import Entry, Group, Unit, make_groups, make_units
 from ._schedule import Scheduler
 from ._state import DedicatedState
-from ._units import Group, Unit, make_groups, make_units
 
 
 class Slot:

@@ -2,35 +2,118 @@
 
 Forward takes each unit's gathers from those issued ahead in the order recorded on the previous
 forward, then issues the next `depth` units'; a unit out of that order drains them on every rank
-and is gathered at once. Z3's backward re-gathers walk the order in reverse; gradients go to the
-`Reducer`. Z3 peak: depth + 1 units' gathered copies. One collective order on every rank
-(proofs/prefetch.md claims 1, 5 and 9).
+and is gathered at once. Z3's backward re-gathers walk the order in reverse. Per bucket, backward
+sums the gradients in one flat buffer of the reduce dtype, reduced onto the local owner once
+complete (at the next call) or when the pass ends, landed by `wait_reduces` as the mean over the
+G·R data ranks in the global owners' `.grad` (HSDP: after a second stage across replicas). Z3
+peak: depth + 1 units' gathered copies. One collective order on every rank (proofs/prefetch.md,
+proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._entries import Entry, Topology, broadcast_start
-from ._reduce import Reducer
-from ._units import Cursor, Flight, Group, Unit
+from custom_ops._collectives import reduce_start
+
+from ..comm._counters import blocked
+from ..comm._errors import phase
+from ._entries import Entry, Group, Topology, Unit, broadcast_start, wait_work
+
+
+class Flight:
+    """One unit's gathers: `flats[i]` is group i's buffer, final once `wait` returns."""
+
+    def __init__(self, unit: Unit, flats: list[Tensor], works: list, what: str) -> None:
+        self.unit, self.flats, self.works, self.what = unit, flats, works, what
+
+    def wait(self) -> Flight:
+        for i, w in enumerate(self.works):
+            if w is not None:
+                wait_work(w, f"{self.what} of {self.unit.groups[i].names}")
+                self.works[i] = None
+        return self
+
+    def value(self, e: Entry) -> Tensor:
+        i, g = self.unit.group_of[id(e)]
+        return g.part(self.flats[i], g.index[id(e)])
+
+
+class Cursor:
+    """A walk through the recorded unit order, forward (`step` 1) or backward (-1: Z3's
+    re-gathers), with the next `depth` units' gathers issued ahead (`ahead`: position -> them)."""
+
+    def __init__(
+        self, issue: Callable[[Unit, str], Flight], depth: int, step: int, what: str
+    ) -> None:
+        self.issue, self.depth, self.step, self.what = issue, depth, step, what
+        self.order: list[Unit] = []
+        self.pos = -1  # next expected index into `order`; -1: off the recorded order
+        self.ahead: dict[int, Flight] = {}
+
+    def restart(self, order: list[Unit]) -> None:
+        self.order = order
+        self.pos = (0 if self.step > 0 else len(order) - 1) if order else -1
+
+    def take(self, unit: Unit) -> Flight:
+        """`unit`'s gathers: those issued ahead if it is the walk's next unit, else (off the
+        order) drain and stop the walk and gather it now; then issue the next `depth` units'."""
+        flight = None
+        if 0 <= self.pos < len(self.order) and self.order[self.pos] is unit:
+            flight = self.ahead.pop(self.pos, None)
+            self.pos += self.step
+        else:
+            self.stop()
+        flight = flight or self.issue(unit, self.what)
+        self.prefetch()
+        return flight
+
+    def prefetch(self) -> None:
+        if self.pos < 0:
+            return
+        if self.step > 0:
+            stop = min(self.pos + self.depth, len(self.order))
+        else:
+            stop = max(self.pos - self.depth, -1)
+        for j in range(self.pos, stop, self.step):
+            if j not in self.ahead:
+                self.ahead[j] = self.issue(self.order[j], self.what)
+
+    def drain(self) -> None:
+        """Wait for (every rank issued them alike) and drop the gathers issued ahead."""
+        for pos in sorted(self.ahead):
+            self.ahead[pos].wait()
+        self.ahead.clear()
+
+    def stop(self) -> None:
+        self.drain()
+        self.pos = -1
+
+
+@dataclass(eq=False)
+class _Reduce:
+    group: Group
+    flat: Tensor
+    work: object
+    members: tuple[int, ...]  # indices into group.entries, in flat order
+    stage2: object = None
 
 
 class Scheduler:
     """Runs a model's dedicated gathers and reduces. `depth`: units whose gathers are issued
-    ahead (0: none, everything waited for where it is issued)."""
+    ahead (0: none, every gather and reduce waited for where it is issued)."""
 
     def __init__(
         self, topo: Topology, units: Sequence[Unit], buckets: Sequence[Group], depth: int
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch must be an int >= 0 (0: off), got {depth!r}")
-        self.topo, self.units = topo, list(units)
+        self.topo, self.units, self.buckets = topo, list(units), list(buckets)
         self.depth = depth
-        self.reducer = Reducer(topo, buckets, self.depth)
         self.forward = Cursor(self._issue, self.depth, 1, "forward (parameter gather)")
         self.backward = Cursor(self._issue, self.depth, -1, "backward (Z3 parameter re-gather)")
         self.order: list[Unit] = []  # the last forward's units, in order
@@ -39,11 +122,10 @@ class Scheduler:
         self.landed: dict[int, Flight] = {}  # Z3 backward: id(unit) -> its re-gathered copy
         # gather_in_step: each local owner's (entry, param version) when the step sent it
         self.from_step: list[tuple[Entry, int]] | None = None
+        self.sync = True  # gradient sync (False: accumulate locally)
         self.pass_open = False  # a backward pass has an end-of-pass callback queued
-
-    @property
-    def buckets(self) -> list[Group]:
-        return self.reducer.buckets
+        self.ready: list[Group] = []  # complete gradient sums, reduced at the next call
+        self.reduces: list[_Reduce] = []
 
     def _issue(self, unit: Unit, what: str) -> Flight:
         """Per group, the owner's concatenated values (a copy in the group's dtype) broadcast
@@ -51,6 +133,7 @@ class Scheduler:
         topo, flats, works = self.topo, [], []
         with torch.profiler.record_function("dmuon::param_gather"):  # a label for profiles
             for g in unit.groups:
+                work = None
                 if topo.is_local_owner(g.entries[0]):
                     for e in g.entries:
                         e.wait_publish()  # an HSDP publish may still be writing the value
@@ -58,26 +141,33 @@ class Scheduler:
                     flat = torch.cat([e.param.detach().reshape(-1).to(g.dtype) for e in g.entries])
                 else:
                     flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
+                if topo.shard_size > 1:
+                    work = broadcast_start(flat, g.owner, topo.shard_group, f"{what} of {g.names}")
                 flats.append(flat)
-                works.append(
-                    broadcast_start(flat, g.owner, topo.shard_group, f"{what} of {g.names}")
-                    if topo.shard_size > 1
-                    else None
-                )
+                works.append(work)
             flight = Flight(unit, flats, works, what)
             return flight if self.depth else flight.wait()
 
     def begin_forward(self) -> None:
         """Land last backward's reduces, forget what an earlier forward left owed, issue the
-        first units (keeping those the step issued)."""
+        first units (keeping those the step issued, unless their owners changed since)."""
         self.wait_reduces()
-        if self.from_step is None:
+        changed = [e.name for e, v in self.from_step or () if e.param._version != v]
+        if self.from_step is None or changed:
             self.forward.drain()
-        else:
-            self._check_from_step()
+        self.from_step = None
+        if changed:
+            raise RuntimeError(
+                f"{changed[:3]}{'...' if len(changed) > 3 else ''} changed between "
+                "optimizer.step() and the next forward, after Muon(gather_in_step=True) had "
+                "sent their values to the other ranks, which now hold the old ones. Change "
+                "dedicated parameters only before step() (or load them with "
+                "dmuon_fn.load_checkpoint), or use gather_in_step=False"
+            )
         for unit in self.units:
             unit.owed_regathers = 0
-        self.reducer.forget_owed()
+        for g in self.buckets:
+            g.owed = [0] * len(g.entries)
         self.open, self.current = None, []
         self.forward.restart(self.order)
         self.forward.prefetch()
@@ -93,7 +183,7 @@ class Scheduler:
         """`e`'s full value for a module of `unit`; `bucket`: its gradient is owed there."""
         flight = self.open_unit(unit).wait()
         if bucket is not None:
-            self.reducer.expect(bucket, e)
+            bucket.owed[bucket.index[id(e)]] += 1
         return flight.value(e)
 
     def open_unit(self, unit: Unit) -> Flight:
@@ -140,22 +230,9 @@ class Scheduler:
         self.forward.drain()
         self.from_step = None
 
-    def _check_from_step(self) -> None:
-        changed = [e.name for e, v in self.from_step if e.param._version != v]
-        self.from_step = None
-        if changed:
-            self.forward.drain()
-            raise RuntimeError(
-                f"{changed[:3]}{'...' if len(changed) > 3 else ''} changed between "
-                "optimizer.step() and the next forward, after Muon(gather_in_step=True) had "
-                "sent their values to the other ranks, which now hold the old ones. Change "
-                "dedicated parameters only before step() (or load them with "
-                "dmuon_fn.load_checkpoint), or use gather_in_step=False"
-            )
-
     def regather(self, unit: Unit) -> Flight:
         """Z3 backward: `unit`'s values again, one re-gather for all of them."""
-        self.reducer.flush()
+        self._flush()
         key = id(unit)
         if key not in self.landed:
             self.landed[key] = self.backward.take(unit)
@@ -167,24 +244,90 @@ class Scheduler:
         if not unit.owed_regathers:
             self.landed.pop(id(unit), None)
 
-    def deposit(self, g: Group, e: Entry, grad: Tensor) -> None:
-        if not self.pass_open:  # once per backward pass
-            self.pass_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.reducer.deposit(g, e, grad)
-
-    def _end_backward(self) -> None:
-        self.pass_open = False
-        self.reducer.end_pass()
-        self._restart_backward()
-
     def _restart_backward(self) -> None:
         self.backward.drain()
         self.landed.clear()
         self.backward.restart(self.order)
 
+    def deposit(self, g: Group, e: Entry, grad: Tensor) -> None:
+        """Add the gradient (shape `e.shape`) of one handed-out value of `e` into bucket `g`."""
+        if not self.pass_open:  # once per backward pass
+            self.pass_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._flush()
+        i = g.index[id(e)]
+        if g.flat is None:
+            g.flat = torch.empty(g.numel, dtype=g.reduce_dtype, device=g.device)
+        part = g.part(g.flat, i)
+        if g.has[i]:
+            part.add_(grad)
+        else:
+            part.copy_(grad)
+            g.has[i] = True
+        g.owed[i] = max(0, g.owed[i] - 1)
+        if self.sync and not any(g.owed):
+            self.ready.append(g)
+            if not self.depth:
+                self._flush()
+
+    def _end_backward(self) -> None:
+        """Reduce every sum (sync on), complete or not."""
+        self.pass_open = False
+        self._flush()
+        for g in self.buckets:
+            g.owed = [0] * len(g.entries)
+            if self.sync:
+                self._reduce(g)
+        self._restart_backward()
+
+    def _flush(self) -> None:
+        """Reduce the sums made complete since the last call."""
+        ready, self.ready = self.ready, []
+        for g in ready:
+            self._reduce(g)
+
+    def _reduce(self, g: Group) -> None:
+        """Issue the reduce of the bucket's sum (zeros for entries it holds no gradient of)."""
+        flat, members = g.flat, tuple(i for i, h in enumerate(g.has) if h)
+        g.flat, g.has = None, [False] * len(g.entries)
+        if flat is None:
+            return
+        for i in range(len(g.entries)):
+            if i not in members:
+                g.part(flat, i).zero_()
+        work = None
+        if self.topo.shard_size > 1:
+            with phase(f"backward (gradient reduce of {g.names})"):
+                work = reduce_start(flat, g.owner, self.topo.shard_group)
+        self.reduces.append(_Reduce(g, flat, work, members))
+        if not self.depth:
+            self.wait_reduces()
+
     def wait_reduces(self) -> None:
-        self.reducer.wait()
+        """Land every issued reduce (HSDP: stage 2 issued here, in issue order) as the mean
+        (sum / (G·R)) in each global owner's `.grad`."""
+        self._flush()
+        topo, pending, self.reduces = self.topo, self.reduces, []
+        for r in pending:
+            with blocked(), phase(f"backward (gradient reduce of {r.group.names})"):
+                if r.work is not None:
+                    r.work.wait()
+                if topo.replicate_group is not None and topo.is_local_owner(r.group.entries[0]):
+                    r.stage2 = reduce_start(r.flat, r.group.owner_replica, topo.replicate_group)
+        scale = topo.shard_size * topo.replicate_size
+        for r in pending:
+            g = r.group
+            if r.stage2 is not None:
+                wait_work(r.stage2, f"backward (gradient reduce of {g.names})")
+            for i in r.members:
+                e = g.entries[i]
+                if topo.is_global_owner(e) and e.param.requires_grad:
+                    grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)
+                    with torch.no_grad():  # what autograd's AccumulateGrad does
+                        if e.param.grad is None:
+                            e.param.grad = grad
+                        else:
+                            e.param.grad += grad
 
     def set_sync(self, sync: bool) -> None:
-        self.reducer.sync = bool(sync)
+        self.sync = bool(sync)
