@@ -28,13 +28,11 @@ from ._entries import Entry
 from ._gather import install
 from ._state import STATE_ATTR, DedicatedState, dedicated_state
 
-Predicate = Callable[[str, nn.Parameter], bool]
-
 
 def dedicate_params(
     model: nn.Module,
     mesh: DeviceMesh,
-    predicate: Predicate | None = None,
+    predicate: Callable[[str, nn.Parameter], bool] | None = None,
     *,
     replicate_mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
@@ -45,20 +43,19 @@ def dedicate_params(
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
-    mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`).
+    mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`;
+        tensor parallelism: `parallelize_module` over the 'tp' dim first, then the data dim of
+        the same mesh, ('dp', 'tp') or ('replicate', 'shard', 'tp'); proofs/tensor_parallel.md).
     pure: dedicate every parameter (predicate ignored): matrices take Muon and the rest AdamW on
-        their owners, so the model trains with no FSDP2 at all.
-    param_dtype: the gather and compute dtype (as FSDP2's MixedPrecisionPolicy); the global
-        owner keeps the master in the parameter's dtype promoted to at least fp32. Default: the
-        parameter's. reduce_dtype: the gradient sums' (default: param_dtype's).
-    prefetch: layers whose gathers travel ahead of the one computing, in the last forward's
-        module order (Z3 backward: its re-gathers, in reverse); 0: every gather and reduce
-        blocks where needed. Z3 holds up to prefetch + 1 layers' gathered copies.
-    Tensor parallelism: `parallelize_module` over a 1-D tensor mesh first; mesh is then the data
-        dim of the same mesh (('dp', 'tp'), or ('replicate', 'shard', 'tp') for HSDP)
-        (proofs/tensor_parallel.md).
-    Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP (tensor
-    parallelism: the owner's data coordinate; `plan.tensor_slot(name)` its root tensor rank).
+        their owners; no FSDP2 needed.
+    param_dtype: the gather and compute dtype (as FSDP2's MixedPrecisionPolicy; default: the
+        parameter's); the global owner keeps the master in the parameter's dtype promoted to at
+        least fp32. reduce_dtype: the gradient sums' (default: param_dtype's).
+    prefetch: layers whose gathers travel ahead of the one computing (the last forward's order;
+        Z3 backward: reversed); 0: every gather and reduce blocks. Z3 holds up to prefetch + 1
+        layers' gathered copies.
+    Returns {name: owner}: the shard rank, or (shard, replica) under HSDP (tensor parallelism:
+    the data coordinate; `plan.tensor_slot(name)` its root tensor rank).
     """
     if dedicated_state(model) is not None:
         raise ValueError("dedicate_params was already applied to this model")
@@ -78,20 +75,19 @@ def dedicate_params(
     params: dict[int, tuple[nn.Parameter, list[str]]] = {}  # id -> (parameter, its names)
     for name, p in model.named_parameters(remove_duplicate=False):
         if pure or predicate(name, p):
+            if not pure and p.ndim < 2:
+                raise ValueError(
+                    f"{name} (shape {tuple(p.shape)}) matched the predicate but is not a "
+                    "matrix: Muon orthogonalizes matrices. Exclude it from the predicate (FSDP2 "
+                    "shards it and Muon applies AdamW), or pass pure=True to dedicate every "
+                    "parameter with AdamW on the owners of non-matrices"
+                )
             params.setdefault(id(p), (p, []))[1].append(name)
     if not params:
         raise ValueError(
             "predicate matched no parameter: e.g. predicate=lambda n, p: 'proj' in n and "
             "p.ndim == 2 dedicates the projection matrices"
         )
-    for p, names in params.values():
-        if not pure and p.ndim < 2:
-            raise ValueError(
-                f"{names[0]} (shape {tuple(p.shape)}) matched the predicate but is not a "
-                "matrix: Muon orthogonalizes matrices. Exclude it from the predicate (FSDP2 "
-                "shards it and Muon applies AdamW), or pass pure=True to dedicate every "
-                "parameter with AdamW on the owners of non-matrices"
-            )
 
     R = 1 if replicate_mesh is None else replicate_mesh.size()
     shapes = {names[0]: tuple(p.shape) for p, names in params.values()}
@@ -118,7 +114,7 @@ def dedicate_params(
         reshard_after_forward=reshard_after_forward,
         tensor=tp,
     )
-    new_params: dict[int, nn.Parameter] = {}
+    of_old: dict[int, Entry] = {}  # id(the parameter replaced) -> its entry
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
         dt = param_dtype or old.dtype
@@ -135,16 +131,16 @@ def dedicate_params(
             data = torch.empty(0, dtype=dt, device=e.device)
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
-        new_params[pid] = e.param
+        of_old[pid] = e
         st.entries.append(e)
         st.by_param[id(e.param)] = e
 
     uses: dict[nn.Module, list[tuple[str, Entry]]] = {}  # module -> its (attribute, entry)s
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
-            if p is not None and id(p) in new_params:
-                module._parameters[pname] = new = new_params[id(p)]
-                uses.setdefault(module, []).append((pname, st.by_param[id(new)]))
+            if p is not None and (e := of_old.get(id(p))) is not None:
+                module._parameters[pname] = e.param
+                uses.setdefault(module, []).append((pname, e))
     install(model, st, uses, prefetch)
     _broadcast_copies(st)
     setattr(model, STATE_ATTR, st)

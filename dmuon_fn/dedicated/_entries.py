@@ -1,14 +1,11 @@
-"""The object API's records: one `Entry` per dedicated parameter, the `Topology` it moves over,
+"""The object API's records: an `Entry` per dedicated parameter, the `Topology` it moves over,
 the `Group`s and `Unit`s it moves in, and the asynchronous broadcast every move is made of.
 
-Who holds what (`planning/_view.RankView`): the *local owner* (shard rank `owner_shard` of every
-replica) holds the full parameter between steps; the *global owner* (owner_shard, owner_replica)
-holds it in fp32 (the master) with its optimizer state and runs its update; every other rank
-holds a 0-size placeholder. Under tensor parallelism "the parameter" is this tensor rank's part.
-A *unit* (one layer's module subtree, keyed as `planning/_partition.layer_keys` keys layers, or
-one module outside repeated blocks) is gathered per `Group` (its entries with one global owner
-and dtypes): one broadcast of their concatenation from the owner. One module's entries grouped
-alike form a reduce bucket (dedicated/_schedule.py). Rationale: proofs/dedicated_notes.md.
+The *local owner* (shard rank `owner_shard` of every replica) holds the full parameter between
+steps, the *global owner* (owner_shard, owner_replica) holds it in fp32 with its optimizer state,
+every other rank a 0-size placeholder; under tensor parallelism, this tensor rank's part. A
+*unit* (one layer's modules, keyed as `planning/_partition.layer_keys` keys layers) is gathered
+per `Group` of its entries; one module's groups are its reduce buckets (proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations
@@ -157,11 +154,3 @@ def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
         if all(m is not e for m in members):
             members.append(e)
     return tuple(Group(m) for _, m in sorted(groups.items(), key=lambda kv: kv[0][0]))
-
-
-def make_units(keyed: Sequence[tuple[str, Entry]]) -> list[Unit]:
-    """Units from (unit key, entry) pairs (an entry in several units is gathered for each)."""
-    by_key: dict[str, list[Entry]] = {}
-    for key, e in keyed:
-        by_key.setdefault(key, []).append(e)
-    return [Unit(key, make_groups(es)) for key, es in by_key.items()]

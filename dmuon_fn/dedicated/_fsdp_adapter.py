@@ -1,9 +1,8 @@
 """The one module that touches FSDP2 (`fully_shard`) and DTensor internals.
 
 `install` (at `import dmuon_fn`) patches `fully_shard`: parameters claimed by `dedicate_params`
-join its `ignored_params` (FSDP2 and dmuon_fn own disjoint sets), and a container without
-`forward` (`nn.ModuleList`/`nn.ModuleDict`), which torch 2.13 rejects, is skipped with a one-time
-note (its parameters join the enclosing group). Why a patch: proofs/dedicated_notes.md.
+join its `ignored_params`, and a container without `forward` (which torch 2.13 rejects) is
+skipped with a one-time note (proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations

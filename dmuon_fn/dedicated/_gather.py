@@ -1,11 +1,9 @@
 """The object API's hooks: per-module gather and reduce-to-owner, eager and in compiled blocks.
 
-A module holding dedicated parameters gets a pre-hook that sets each one's full value as an
-instance attribute and a post-hook that drops it; backward hands each value's gradient to the
-scheduler. Eager: the autograd.Function `_Gather`; compiled: dmuon::gather_start,
-dmuon::param_gather and (backward) dmuon::param_reduce, which take a slot's handle, shape, dtype
-and device only. Z3 re-gathers in backward: eager through saved-tensor hooks (`_Z3Saver`),
-compiled inside `torch.utils.checkpoint`. Rationale: proofs/dedicated_notes.md.
+A pre-hook sets each dedicated parameter's full value as an instance attribute, a post-hook drops
+it, backward deposits its gradient: eager through `_Gather`, compiled through the dmuon:: ops,
+which see a slot's handle, shape, dtype and device only. Z3 re-gathers in backward (eager:
+`_Z3Saver`; compiled: `torch.utils.checkpoint`). Rationale: proofs/dedicated_notes.md.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from custom_ops._handles import new_handle
 
 from ..planning._partition import layer_keys
 from . import _fsdp_adapter as fsdp
-from ._entries import Entry, Group, Unit, make_groups, make_units
+from ._entries import Entry, Group, Unit, make_groups
 from ._schedule import Scheduler
 from ._state import DedicatedState
 
@@ -48,13 +46,11 @@ class Slot:
             return checkpoint(_gather_op, *args, use_reentrant=False)
         return _gather_op(*args)
 
-    def start(self) -> None:
-        """dmuon::gather_start's runtime."""
+    def start(self) -> None:  # dmuon::gather_start's runtime
         self.st.scheduler.open_unit(self.unit)
 
     def gather(self) -> Tensor:
-        """dmuon::param_gather's runtime; run again in backward by a compiled Z3 block, it takes
-        the unit's re-gathered copy."""
+        """dmuon::param_gather's runtime (in backward, a compiled Z3 block's re-gather)."""
         sched = self.st.scheduler
         if torch._C._current_graph_task_id() != -1:
             value = sched.regather(self.unit).value(self.e)
@@ -92,9 +88,9 @@ _HANDLE, _DTENSOR = object(), object()  # tags of what `_Z3Saver.pack` keeps
 
 
 class _Z3Saver:
-    """Eager Z3: saved-tensor hooks that keep only (unit, group, view geometry) of gathered
-    values and re-gather the unit when backward unpacks one. Entered by a module's pre-hook, left
-    by its post-hook."""
+    """Eager Z3: saved-tensor hooks that keep (unit, group, view geometry) of gathered values and
+    re-gather the unit when backward unpacks one; entered by a module's pre-hook, left by its
+    post-hook."""
 
     def __init__(self, st: DedicatedState) -> None:
         self.st = st
@@ -149,17 +145,17 @@ class _Z3Saver:
 def install(
     model: nn.Module, st: DedicatedState, uses: dict[nn.Module, list[tuple[str, Entry]]], depth: int
 ) -> None:
-    """Set `st.scheduler` and the hooks that run it for `uses` (module -> its (attribute, entry)
-    pairs): one unit per layer (keyed as the planner keys layers), one bucket per module and
-    owner, one slot per (module, attribute)."""
+    """Set `st.scheduler` and its hooks for `uses` (module -> its (attribute, entry) pairs): a
+    unit per layer, a bucket per module and owner, a slot per (module, attribute)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     names = {m: n for n, m in modules.items()}
     path = {m: f"{names[m]}.{pname}".lstrip(".") for m, s in uses.items() for pname, _ in s[:1]}
     keys = layer_keys(path.values())
     unit_key = {m: keys[path[m]] for m in uses}
-    units = {
-        u.key: u for u in make_units([(unit_key[m], e) for m, s in uses.items() for _, e in s])
-    }
+    by_key: dict[str, list[Entry]] = {}  # an entry in several units is gathered for each
+    for m, s in uses.items():
+        by_key.setdefault(unit_key[m], []).extend(e for _, e in s)
+    units = {key: Unit(key, make_groups(es)) for key, es in by_key.items()}
     buckets = {m: make_groups([e for _, e in s]) for m, s in uses.items()}
     bucket_of = {(m, id(e)): b for m, bs in buckets.items() for b in bs for e in b.entries}
     all_buckets = [b for bs in buckets.values() for b in bs]

@@ -1,13 +1,10 @@
 """Prefetched gathers and asynchronous reduces of a model's dedicated parameters (object API).
 
-Forward takes each unit's gathers from those issued ahead in the order recorded on the previous
-forward, then issues the next `depth` units'; a unit out of that order drains them on every rank
-and is gathered at once. Z3's backward re-gathers walk the order in reverse. Per bucket, backward
-sums the gradients in one flat buffer of the reduce dtype, reduced onto the local owner once
-complete (at the next call) or when the pass ends, landed by `wait_reduces` as the mean over the
-G·R data ranks in the global owners' `.grad` (HSDP: after a second stage across replicas). Z3
-peak: depth + 1 units' gathered copies. One collective order on every rank (proofs/prefetch.md,
-proofs/dedicated_notes.md).
+Forward takes each unit's gathers from those issued ahead in the last forward's order and issues
+the next `depth` units' (a unit out of order: every rank drains them, gathers it now); Z3's
+backward re-gathers walk the order in reverse. Gradients sum per bucket in the reduce dtype,
+reduce onto the owners and land as the mean over the G·R data ranks in `.grad`. Z3 peak: depth
++ 1 units' gathered copies (proofs/prefetch.md, proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations

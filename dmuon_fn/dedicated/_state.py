@@ -1,7 +1,6 @@
 """What `dedicate_params` attaches to a model (who holds what: dedicated/_entries.py), and the
 HSDP publish after each step: the global owner broadcasts the new value, in the model dtype, to
-the other replicas' local owners (with `asynchronous`, waited for before the parameter's next
-gather or update).
+the other replicas' local owners.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class DedicatedState(Topology):
 
     def publish(self, asynchronous: bool) -> None:
         """Every entry forgets `touched`; under HSDP the local owners of the touched ones take
-        the global owner's value."""
+        the global owner's value (`asynchronous`: waited for before its next gather or update)."""
         for e in self.entries:
             touched = e.touched
             e.next_step()

@@ -1,10 +1,9 @@
 """The step's one exchange under tensor parallelism: each matrix orthogonalized once in the job.
 
-Per matrix, over dmuon_fn's own group of its owner slot's tensor ranks: the other tensor ranks
-send their parts of the Newton-Schulz input u to `root` (sharded matrices only), the root runs
-O = orthogonalize(whole u) (u's dtype and shape), then sends each tensor rank its part of O (a
-whole copy: all of O). Two point-to-point batches per step (every gather, then every scatter),
-each in the plan's entry order (proofs/tensor_parallel.md claims 4, 7 and 8).
+The other tensor ranks of a matrix's owner slot send their parts of its Newton-Schulz input u to
+`root` (sharded matrices only), which orthogonalizes the whole u and sends each its part of O.
+Two point-to-point batches per step, each in the plan's entry order (proofs/tensor_parallel.md
+claims 4, 7 and 8).
 """
 
 from __future__ import annotations
