@@ -140,10 +140,6 @@ class Unit:
     owed_regathers: int = 0  # Z3 backward: re-gathered values still to be taken
     handles: list[Tensor] = field(default_factory=list)  # of its slots (dedicated/_gather.py)
 
-    def __post_init__(self) -> None:
-        # id(entry) -> (index of its group, the group)
-        self.group_of = {id(e): (i, g) for i, g in enumerate(self.groups) for e in g.entries}
-
 
 def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
     """`entries` (each once) grouped by (global owner, dtypes, device), ordered by owner."""

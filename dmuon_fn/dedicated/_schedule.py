@@ -36,7 +36,7 @@ class Flight:
         return self
 
     def value(self, e: Entry) -> Tensor:
-        i, g = self.unit.group_of[id(e)]
+        i, g = next((i, g) for i, g in enumerate(self.unit.groups) if id(e) in g.index)
         return g.part(self.flats[i], g.index[id(e)])
 
 
@@ -277,8 +277,7 @@ class Scheduler:
                 self._reduce(g)
         self._restart_backward()
 
-    def _flush(self) -> None:
-        """Reduce the sums made complete since the last call."""
+    def _flush(self) -> None:  # the sums made complete since the last call
         ready, self.ready = self.ready, []
         for g in ready:
             self._reduce(g)

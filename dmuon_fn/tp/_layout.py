@@ -63,13 +63,9 @@ class TensorLayout:
         return self._whole(part, (Shard(self.dim),)) if self.sharded else part
 
     def _whole(self, part: torch.Tensor, placements: tuple) -> torch.Tensor:
+        full, stride = self.full_shape, make_contiguous_strides_for(self.full_shape)
         return DTensor.from_local(
-            part,
-            self.tp.mesh,
-            placements,
-            run_check=False,
-            shape=self.full_shape,
-            stride=make_contiguous_strides_for(self.full_shape),
+            part, self.tp.mesh, placements, run_check=False, shape=full, stride=stride
         )
 
 
