@@ -196,12 +196,9 @@ class Scheduler:
     def next_forward_order(self, keep_all: bool) -> tuple[int, dict[int, int]]:
         """(n, first): the step gathers the recorded order's first n units (all with
         `keep_all`, else `depth`); `first[id(entry)]`: the first of them holding the entry."""
-        units = self.order if keep_all else self.order[: self.depth]
-        first: dict[int, int] = {}
-        for j, unit in enumerate(units):
-            for g in unit.groups:
-                for e in g.entries:
-                    first.setdefault(id(e), j)
+        units = list(enumerate(self.order if keep_all else self.order[: self.depth]))
+        # in reverse, so the first unit holding an entry is the one kept
+        first = {id(e): j for j, u in reversed(units) for g in u.groups for e in g.entries}
         return len(units), first
 
     gather_in_step_plan = next_forward_order  # the name Muon calls until it moves over
