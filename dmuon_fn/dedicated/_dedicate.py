@@ -1,12 +1,7 @@
 """dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
 
-Who holds what: dedicated/_entries.py; how parameters move (per layer and owner, prefetched in
-the recorded module order, gradients reduced asynchronously): dedicated/_schedule.py; the hooks,
-eager and compiled: dedicated/_gather.py. Forward broadcasts the local owner's value (model dtype
-or `param_dtype`) over the shard group before each module that uses it; backward sums the
-gradients onto the local owner (stage 1) and, under HSDP, across replicas onto the global owner
-(stage 2), which divides by G·R into `param.grad` (proofs/dedicate.md). Z3
-(`reshard_after_forward=True`) gathers again in backward instead of keeping the copy.
+Who holds what: dedicated/_entries.py; the scheduler: dedicated/_schedule.py; the hooks:
+dedicated/_gather.py. Why the gradients come out exact: proofs/dedicate.md.
 """
 
 from __future__ import annotations
@@ -33,14 +28,11 @@ from ._entries import Entry
 from ._gather import install
 from ._state import STATE_ATTR, DedicatedState, dedicated_state
 
-Predicate = Callable[[str, nn.Parameter], bool]
-__all__ = ["STATE_ATTR", "DedicatedState", "dedicate_params", "dedicated_state", "plan_summary"]
-
 
 def dedicate_params(
     model: nn.Module,
     mesh: DeviceMesh,
-    predicate: Predicate | None = None,
+    predicate: Callable[[str, nn.Parameter], bool] | None = None,
     *,
     replicate_mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
@@ -51,27 +43,21 @@ def dedicate_params(
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
-    mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`).
+    mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`;
+        tensor parallelism: `parallelize_module` over the 'tp' dim first, then the data dim of
+        the same mesh, ('dp', 'tp') or ('replicate', 'shard', 'tp'); proofs/tensor_parallel.md).
     pure: dedicate every parameter (predicate ignored): matrices take Muon and the rest AdamW on
-        their owners, so the model trains with no FSDP2 at all.
-    param_dtype: mixed precision, as FSDP2's MixedPrecisionPolicy: dedicated parameters are
-        gathered and computed with in this dtype (e.g. bf16) while the global owner keeps the
-        master in the parameter's own dtype promoted to at least fp32. Default: the parameter's.
-    reduce_dtype: dtype of the gradient sums (default: param_dtype's).
-    prefetch: how many layers' gathers travel ahead of the one computing (in the module order
-        of the last forward; Z3 backward: its re-gathers, in reverse). 0: every gather and
-        reduce runs when needed, blocking (nothing overlaps). Memory: up to prefetch + 1 layers'
-        gathered copies at a time (dmuon_fn/dedicated/_schedule.py).
-    Tensor parallelism: apply `parallelize_module` over a 1-D tensor mesh first (mesh then is
-        the data dim of the same mesh: ('dp', 'tp'), or ('replicate', 'shard', 'tp') for HSDP).
-        Each tensor rank's part of a parameter is dedicated over the data ranks of its tensor
-        column, the module computes with the DTensor it had, and Muon orthogonalizes each matrix
-        once, on one tensor rank of its owner (dmuon_fn/tp/_layout.py).
-    Returns {name: owner}: the shard rank on a 1-D mesh, (shard, replica) under HSDP (with
-    tensor parallelism the owner's data coordinate; `plan.tensor_slot(name)` its root tensor
-    rank).
+        their owners; no FSDP2 needed.
+    param_dtype: the gather and compute dtype (as FSDP2's MixedPrecisionPolicy; default: the
+        parameter's); the global owner keeps the master in the parameter's dtype promoted to at
+        least fp32. reduce_dtype: the gradient sums' (default: param_dtype's).
+    prefetch: layers whose gathers travel ahead of the one computing (the last forward's order;
+        Z3 backward: reversed); 0: every gather and reduce blocks. Z3 holds up to prefetch + 1
+        layers' gathered copies.
+    Returns {name: owner}: the shard rank, or (shard, replica) under HSDP (tensor parallelism:
+    the data coordinate; `plan.tensor_slot(name)` its root tensor rank).
     """
-    if getattr(model, STATE_ATTR, None) is not None:
+    if dedicated_state(model) is not None:
         raise ValueError("dedicate_params was already applied to this model")
     if fsdp.is_fully_sharded(model):
         raise ValueError(
@@ -89,20 +75,19 @@ def dedicate_params(
     params: dict[int, tuple[nn.Parameter, list[str]]] = {}  # id -> (parameter, its names)
     for name, p in model.named_parameters(remove_duplicate=False):
         if pure or predicate(name, p):
+            if not pure and p.ndim < 2:
+                raise ValueError(
+                    f"{name} (shape {tuple(p.shape)}) matched the predicate but is not a "
+                    "matrix: Muon orthogonalizes matrices. Exclude it from the predicate (FSDP2 "
+                    "shards it and Muon applies AdamW), or pass pure=True to dedicate every "
+                    "parameter with AdamW on the owners of non-matrices"
+                )
             params.setdefault(id(p), (p, []))[1].append(name)
     if not params:
         raise ValueError(
             "predicate matched no parameter: e.g. predicate=lambda n, p: 'proj' in n and "
             "p.ndim == 2 dedicates the projection matrices"
         )
-    for p, names in params.values():
-        if not pure and p.ndim < 2:
-            raise ValueError(
-                f"{names[0]} (shape {tuple(p.shape)}) matched the predicate but is not a "
-                "matrix: Muon orthogonalizes matrices. Exclude it from the predicate (FSDP2 "
-                "shards it and Muon applies AdamW), or pass pure=True to dedicate every "
-                "parameter with AdamW on the owners of non-matrices"
-            )
 
     R = 1 if replicate_mesh is None else replicate_mesh.size()
     shapes = {names[0]: tuple(p.shape) for p, names in params.values()}
@@ -129,7 +114,7 @@ def dedicate_params(
         reshard_after_forward=reshard_after_forward,
         tensor=tp,
     )
-    new_params: dict[int, nn.Parameter] = {}
+    of_old: dict[int, Entry] = {}  # id(the parameter replaced) -> its entry
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
         dt = param_dtype or old.dtype
@@ -146,16 +131,16 @@ def dedicate_params(
             data = torch.empty(0, dtype=dt, device=e.device)
         e.param = nn.Parameter(data, requires_grad=old.requires_grad)
         setattr(e.param, fsdp.DEDICATED_ATTR, True)
-        new_params[pid] = e.param
+        of_old[pid] = e
         st.entries.append(e)
         st.by_param[id(e.param)] = e
 
     uses: dict[nn.Module, list[tuple[str, Entry]]] = {}  # module -> its (attribute, entry)s
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
-            if p is not None and id(p) in new_params:
-                module._parameters[pname] = new = new_params[id(p)]
-                uses.setdefault(module, []).append((pname, st.by_param[id(new)]))
+            if p is not None and (e := of_old.get(id(p))) is not None:
+                module._parameters[pname] = e.param
+                uses.setdefault(module, []).append((pname, e))
     install(model, st, uses, prefetch)
     _broadcast_copies(st)
     setattr(model, STATE_ATTR, st)
@@ -163,18 +148,16 @@ def dedicate_params(
 
 
 def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
-    """Where dedicated parameters live: the mesh's device type (the current CUDA device for a
-    CUDA mesh), so a model built on the CPU still communicates on the mesh's backend."""
+    """The mesh's device type (a CUDA mesh: the current CUDA device), so a model built on the
+    CPU still communicates on the mesh's backend."""
     if mesh.device_type == "cuda" and current.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return current if current.type == mesh.device_type else torch.device(mesh.device_type)
 
 
 def _broadcast_copies(st: DedicatedState) -> None:
-    """Equal copies from the start, one broadcast per parameter: under tensor parallelism every
-    whole copy (plain or Replicate()) takes tensor rank 0's value (the step then sends every
-    tensor rank the same update); under HSDP every replica's local owner takes the global
-    owner's value."""
+    """Equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
+    HSDP's local owners the global owner's (one broadcast per parameter)."""
     tp = st.tensor
     for e in st.entries:
         if tp is not None and tp.size > 1 and st.is_local_owner(e) and not e.tp.sharded:
@@ -199,32 +182,25 @@ def _state_of(model: nn.Module) -> DedicatedState:
 
 
 def wait_gradients(model: nn.Module) -> None:
-    """Block until every dedicated gradient reduce issued by backward has landed in the global
-    owners' `.grad`. Backward leaves them in flight (they overlap what follows); Muon's `step`,
-    `clip_grad_norm_`, `zero_grad`, the checkpoints and the model's next forward wait by
-    themselves, so only code that reads or zeroes `.grad` of dedicated parameters in between
-    (or `model.zero_grad()` instead of the optimizer's) needs this first."""
+    """Block until backward's dedicated gradient reduces have landed in the global owners'
+    `.grad`. Muon's `step`, `clip_grad_norm_`, `zero_grad`, the checkpoints and the next forward
+    wait by themselves; call this before other code reads or zeroes those `.grad`s."""
     _state_of(model).scheduler.wait_reduces()
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
-    """Gradient accumulation without traffic, for dedicated parameters and FSDP2 alike.
-
-    False: backward sums each dedicated gradient on every rank (a full-shape buffer per
-    parameter on every rank, like FSDP2's unsharded gradients) and reduces nothing; True (the
-    default): the next backward reduces those sums together with its own gradients, so the
-    owners see exactly what reducing every micro-batch would have given. Calls FSDP2's
-    `set_requires_gradient_sync` on every `fully_shard`ed module of the model too.
-    """
+    """Gradient accumulation without traffic, for dedicated parameters and FSDP2 alike. False:
+    backward sums each dedicated gradient on every rank (a full-shape buffer each) and reduces
+    nothing; True (default): the next backward reduces those sums with its own gradients. Sets
+    FSDP2's switch on every `fully_shard`ed module too."""
     _state_of(model).scheduler.set_sync(requires_gradient_sync)
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
 
 
 def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSummary:
-    """The readable plan (planning/_summary.py) of a model prepared by `dedicate_params`, of an
-    `FnPlan` (from `plan`), or of a `Plan` (from `partition`). gemm_flops: FLOP/s of one
-    device's GEMM in the NS iteration dtype (`measure_gemm_flops()`, or e.g. 4e14 for an H100
-    in bf16) adds the busiest rank's Newton-Schulz seconds per step."""
+    """The readable plan of a model prepared by `dedicate_params`, of an `FnPlan` or of a `Plan`.
+    gemm_flops: one device's GEMM FLOP/s in the NS iteration dtype (`measure_gemm_flops()`, or
+    e.g. 4e14 for an H100 in bf16) adds the busiest rank's Newton-Schulz seconds per step."""
     if isinstance(source, nn.Module):
         source = _state_of(source).plan
     return _summarize(source, gemm_flops=gemm_flops)

@@ -1,16 +1,8 @@
 """The one module that touches FSDP2 (`fully_shard`) and DTensor internals.
 
-Installed at `import dmuon_fn`:
-- `fully_shard` skips parameters claimed by `dedicate_params` (they join its `ignored_params`),
-  so FSDP2 and dmuon_fn own disjoint sets.
-- `fully_shard(container)` on an `nn.ModuleList`/`nn.ModuleDict` without `forward` (as in the
-  Quick Start's `for layer in model.layers: fully_shard(layer)` over `ModuleDict` layers), which
-  torch 2.13 rejects, is skipped with a one-time note: the container's remaining parameters join
-  the enclosing `fully_shard` group (typically the root's).
-
-The patch replaces the function inside `fully_shard`'s `contract` wrapper, so it holds however
-`fully_shard` was imported (before or after dmuon_fn) and FSDP2's own state lookups stay
-consistent (they key on the same function object).
+`install` (at `import dmuon_fn`) patches `fully_shard`: parameters claimed by `dedicate_params`
+join its `ignored_params`, and a container without `forward` (which torch 2.13 rejects) is
+skipped with a one-time note (proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations
@@ -34,14 +26,12 @@ def is_dtensor(p: torch.Tensor) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def counted_here(t: torch.Tensor) -> bool:
-    """Whether this rank's local part of `t` counts in a sum over the job: a DTensor's local
-    shard counts on the rank at coordinate 0 of every mesh dim it is replicated over (HSDP
-    replicas hold identical copies); a plain tensor always."""
+    """Whether this rank's local part of `t` counts in a sum over the job: a DTensor's on the
+    rank at coordinate 0 of every mesh dim it is replicated over; a plain tensor's always."""
     if not isinstance(t, DTensor):
         return True
     coord = t.device_mesh.get_coordinate()
@@ -51,12 +41,12 @@ def counted_here(t: torch.Tensor) -> bool:
 
 
 def mesh_ranks(t: torch.Tensor) -> set[int]:
-    """The global ranks of a DTensor's mesh (empty for a plain tensor)."""
+    """The global ranks of a DTensor's mesh (a plain tensor: none)."""
     return set(t.device_mesh.mesh.flatten().tolist()) if isinstance(t, DTensor) else set()
 
 
 def dtensor_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
-    """(local tensor, spec) of a DTensor, else None: what rebuilds it (`dtensor_wrap`)."""
+    """(local tensor, spec) of a DTensor (what `dtensor_wrap` takes), else None."""
     return (t._local_tensor, t._spec) if isinstance(t, DTensor) else None
 
 
@@ -66,20 +56,18 @@ def dtensor_wrap(local: torch.Tensor, spec: Any, requires_grad: bool) -> torch.T
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
-    """FSDP2's own switch, on every `fully_shard`ed module of `model`."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
-    """`fully_shard` was applied to the module or one below it (its class becomes an
-    FSDPModule). DTensor parameters alone are not FSDP2's: tensor parallelism makes them too."""
+    """`fully_shard` was applied to the module or one below it (DTensors alone may be TP's)."""
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def managed_params(model: nn.Module) -> set[int]:
-    """ids of the parameters `fully_shard` manages in `model` (its sharded DTensors)."""
+    """ids of the sharded DTensors `fully_shard` manages in `model`."""
     out: set[int] = set()
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -88,18 +76,13 @@ def managed_params(model: nn.Module) -> set[int]:
     return out
 
 
-def _func_cell() -> Any:
-    for cell in fully_shard.__closure__ or ():
-        if callable(cell.cell_contents) and getattr(cell.cell_contents, "__name__", "") == (
-            "fully_shard"
-        ):
-            return cell
-    raise RuntimeError("dmuon_fn cannot find fully_shard's implementation to patch")
-
-
 def install() -> None:
-    """Patch `fully_shard` once (idempotent)."""
-    cell = _func_cell()
+    """Patch `fully_shard`'s function inside its `contract` wrapper, once (idempotent)."""
+    for cell in fully_shard.__closure__ or ():
+        if callable(f := cell.cell_contents) and getattr(f, "__name__", "") == "fully_shard":
+            break
+    else:
+        raise RuntimeError("dmuon_fn cannot find fully_shard's implementation to patch")
     original = cell.cell_contents
     if getattr(original, "_dmuon_patched", False):
         return

@@ -1,96 +1,170 @@
 """Prefetched gathers and asynchronous reduces of a model's dedicated parameters (object API).
 
-Forward: units (dedicated/_units.py) are needed in the order recorded on the previous forward;
-a unit's gathers are taken from those issued ahead (or issued now), then the next `depth`
-units' are issued. A unit out of that order makes every rank drain the gathers issued ahead and
-gather it at once; the new order is recorded. Peak: depth + 1 units' gathered copies (Z3).
-Backward: gradients go to the `Reducer` (dedicated/_reduce.py); Z3 re-gathers a unit once for
-all its saved values, walking the recorded order in reverse. `Muon(gather_in_step=True)`: the
-step issues the next forward's gathers (`gather_for_next_forward`) and the forward checks that
-the owners' parameters did not change since. Prefetch 0: everything is waited for where it is
-issued. Collectives are issued at points of the module order only, one order on every rank
-(proofs/prefetch.md).
+Forward takes each unit's gathers from those issued ahead in the last forward's order and issues
+the next `depth` units' (a unit out of order: every rank drains them, gathers it now); Z3's
+backward re-gathers walk the order in reverse. Gradients sum per bucket in the reduce dtype,
+reduce onto the owners and land as the mean over the G·R data ranks in `.grad`. Z3 peak: depth
++ 1 units' gathered copies (proofs/prefetch.md, proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._entries import Entry, Topology, broadcast_start
-from ._reduce import Reducer
-from ._units import Cursor, Flight, Group, Unit
+from custom_ops._collectives import reduce_start
+
+from ..comm._counters import blocked
+from ..comm._errors import phase
+from ._entries import Entry, Group, Topology, Unit, broadcast_start, wait_work
 
 
-def gather_unit(topo: Topology, unit: Unit, what: str) -> Flight:
-    """Issue `unit`'s gathers: per group, the owner's concatenated values (a copy, in the
-    group's dtype) broadcast over the shard group into `numel`-element buffers elsewhere."""
-    flats, works = [], []
-    for g in unit.groups:
-        if topo.is_local_owner(g.entries[0]):
-            parts = []
-            for e in g.entries:
-                e.wait_publish()  # an HSDP publish may still be writing the value
-                parts.append(e.param.detach().reshape(-1).to(g.dtype))
-            flat = torch.cat(parts)  # a copy: the step updates the parameter in place
+class Flight:
+    """One unit's gathers: `flats[i]` is group i's buffer, final once `wait` returns."""
+
+    def __init__(self, unit: Unit, flats: list[Tensor], works: list, what: str) -> None:
+        self.unit, self.flats, self.works, self.what = unit, flats, works, what
+
+    def wait(self) -> Flight:
+        for i, w in enumerate(self.works):
+            if w is not None:
+                wait_work(w, f"{self.what} of {self.unit.groups[i].names}")
+                self.works[i] = None
+        return self
+
+    def value(self, e: Entry) -> Tensor:
+        i, g = next((i, g) for i, g in enumerate(self.unit.groups) if id(e) in g.index)
+        return g.part(self.flats[i], g.index[id(e)])
+
+
+class Cursor:
+    """A walk through the recorded unit order, forward (`step` 1) or backward (-1: Z3's
+    re-gathers), with the next `depth` units' gathers issued ahead (`ahead`: position -> them)."""
+
+    def __init__(
+        self, issue: Callable[[Unit, str], Flight], depth: int, step: int, what: str
+    ) -> None:
+        self.issue, self.depth, self.step, self.what = issue, depth, step, what
+        self.order: list[Unit] = []
+        self.pos = -1  # next expected index into `order`; -1: off the recorded order
+        self.ahead: dict[int, Flight] = {}
+
+    def restart(self, order: list[Unit]) -> None:
+        self.order = order
+        self.pos = (0 if self.step > 0 else len(order) - 1) if order else -1
+
+    def take(self, unit: Unit) -> Flight:
+        """`unit`'s gathers: those issued ahead if it is the walk's next unit, else (off the
+        order) drain and stop the walk and gather it now; then issue the next `depth` units'."""
+        flight = None
+        if 0 <= self.pos < len(self.order) and self.order[self.pos] is unit:
+            flight = self.ahead.pop(self.pos, None)
+            self.pos += self.step
         else:
-            flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
-        work = None
-        if topo.shard_size > 1:
-            work = broadcast_start(flat, g.owner, topo.shard_group, f"{what} of {g.names}")
-        flats.append(flat)
-        works.append(work)
-    return Flight(unit, flats, works, what)
+            self.stop()
+        flight = flight or self.issue(unit, self.what)
+        self.prefetch()
+        return flight
+
+    def prefetch(self) -> None:
+        if self.pos < 0:
+            return
+        if self.step > 0:
+            stop = min(self.pos + self.depth, len(self.order))
+        else:
+            stop = max(self.pos - self.depth, -1)
+        for j in range(self.pos, stop, self.step):
+            if j not in self.ahead:
+                self.ahead[j] = self.issue(self.order[j], self.what)
+
+    def drain(self) -> None:
+        """Wait for (every rank issued them alike) and drop the gathers issued ahead."""
+        for pos in sorted(self.ahead):
+            self.ahead[pos].wait()
+        self.ahead.clear()
+
+    def stop(self) -> None:
+        self.drain()
+        self.pos = -1
+
+
+@dataclass(eq=False)
+class _Reduce:
+    group: Group
+    flat: Tensor
+    work: object
+    members: tuple[int, ...]  # indices into group.entries, in flat order
+    stage2: object = None
 
 
 class Scheduler:
-    """Runs a model's dedicated gathers and reduces (module docstring). `depth`: units whose
-    gathers are issued ahead (0: none, everything waited for at once)."""
+    """Runs a model's dedicated gathers and reduces. `depth`: units whose gathers are issued
+    ahead (0: none, every gather and reduce waited for where it is issued)."""
 
     def __init__(
         self, topo: Topology, units: Sequence[Unit], buckets: Sequence[Group], depth: int
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch must be an int >= 0 (0: off), got {depth!r}")
-        self.topo, self.units = topo, list(units)
+        self.topo, self.units, self.buckets = topo, list(units), list(buckets)
         self.depth = depth
-        self.reducer = Reducer(topo, buckets, self.depth)
         self.forward = Cursor(self._issue, self.depth, 1, "forward (parameter gather)")
         self.backward = Cursor(self._issue, self.depth, -1, "backward (Z3 parameter re-gather)")
         self.order: list[Unit] = []  # the last forward's units, in order
         self.current: list[Unit] = []  # this forward's so far
         self.open: tuple[Unit, Flight] | None = None  # the unit computing, and its gathers
-        self.landed: dict[int, Flight] = {}  # backward: id(unit) -> its re-gathered copy
-        # the step issued the forward cursor's gathers (`gather_for_next_forward`): each local
-        # owner's (entry, parameter version) at the issue, checked when that forward begins
+        self.landed: dict[int, Flight] = {}  # Z3 backward: id(unit) -> its re-gathered copy
+        # gather_in_step: each local owner's (entry, param version) when the step sent it
         self.from_step: list[tuple[Entry, int]] | None = None
+        self.sync = True  # gradient sync (False: accumulate locally)
         self.pass_open = False  # a backward pass has an end-of-pass callback queued
-
-    @property
-    def buckets(self) -> list[Group]:
-        return self.reducer.buckets
+        self.ready: list[Group] = []  # complete gradient sums, reduced at the next call
+        self.reduces: list[_Reduce] = []
 
     def _issue(self, unit: Unit, what: str) -> Flight:
+        """Per group, the owner's concatenated values (a copy in the group's dtype) broadcast
+        over the shard group into `numel`-element buffers elsewhere."""
+        topo, flats, works = self.topo, [], []
         with torch.profiler.record_function("dmuon::param_gather"):  # a label for profiles
-            flight = gather_unit(self.topo, unit, what)
+            for g in unit.groups:
+                work = None
+                if topo.is_local_owner(g.entries[0]):
+                    for e in g.entries:
+                        e.wait_publish()  # an HSDP publish may still be writing the value
+                    # a copy: the step updates the parameter in place
+                    flat = torch.cat([e.param.detach().reshape(-1).to(g.dtype) for e in g.entries])
+                else:
+                    flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
+                if topo.shard_size > 1:
+                    work = broadcast_start(flat, g.owner, topo.shard_group, f"{what} of {g.names}")
+                flats.append(flat)
+                works.append(work)
+            flight = Flight(unit, flats, works, what)
             return flight if self.depth else flight.wait()
 
-    # ------------------------------------------------------------------ forward
-
     def begin_forward(self) -> None:
-        """The model's forward starts: land last backward's reduces, forget what an earlier
-        forward left owed (a forward without backward), issue the first units (keeping those
-        the step issued for it)."""
+        """Land last backward's reduces, forget what an earlier forward left owed, issue the
+        first units (keeping those the step issued, unless their owners changed since)."""
         self.wait_reduces()
-        if self.from_step is None:
+        changed = [e.name for e, v in self.from_step or () if e.param._version != v]
+        if self.from_step is None or changed:
             self.forward.drain()
-        else:
-            self._check_from_step()
+        self.from_step = None
+        if changed:
+            raise RuntimeError(
+                f"{changed[:3]}{'...' if len(changed) > 3 else ''} changed between "
+                "optimizer.step() and the next forward, after Muon(gather_in_step=True) had "
+                "sent their values to the other ranks, which now hold the old ones. Change "
+                "dedicated parameters only before step() (or load them with "
+                "dmuon_fn.load_checkpoint), or use gather_in_step=False"
+            )
         for unit in self.units:
             unit.owed_regathers = 0
-        self.reducer.forget_owed()
+        for g in self.buckets:
+            g.owed = [0] * len(g.entries)
         self.open, self.current = None, []
         self.forward.restart(self.order)
         self.forward.prefetch()
@@ -103,11 +177,10 @@ class Scheduler:
         self._restart_backward()
 
     def value(self, e: Entry, unit: Unit, bucket: Group | None) -> Tensor:
-        """`e`'s full value for a module of `unit` about to run; `bucket`: the value takes part
-        in autograd, so backward will deposit its gradient there."""
+        """`e`'s full value for a module of `unit`; `bucket`: its gradient is owed there."""
         flight = self.open_unit(unit).wait()
         if bucket is not None:
-            self.reducer.expect(bucket, e)
+            bucket.owed[bucket.index[id(e)]] += 1
         return flight.value(e)
 
     def open_unit(self, unit: Unit) -> Flight:
@@ -120,24 +193,17 @@ class Scheduler:
             self.open = (unit, self.forward.take(unit))
         return self.open[1]
 
-    # ------------------------------------------------------------------ gathers in the step
-
     def next_forward_order(self, keep_all: bool) -> tuple[int, dict[int, int]]:
-        """(n, first): the step gathers the recorded order's first n units for the next forward
-        (all with `keep_all`, Z2; else `depth`, Z3's bound), and `first[id(entry)]` is the
-        first of them that holds the entry: its update must come before that unit's gather."""
-        units = self.order if keep_all else self.order[: self.depth]
-        first: dict[int, int] = {}
-        for j, unit in enumerate(units):
-            for g in unit.groups:
-                for e in g.entries:
-                    first.setdefault(id(e), j)
+        """(n, first): the step gathers the recorded order's first n units (all with
+        `keep_all`, else `depth`); `first[id(entry)]`: the first of them holding the entry."""
+        units = list(enumerate(self.order if keep_all else self.order[: self.depth]))
+        # in reverse, so the first unit holding an entry is the one kept
+        first = {id(e): j for j, u in reversed(units) for g in u.groups for e in g.entries}
         return len(units), first
 
     def gather_for_next_forward(self, j: int) -> None:
-        """Issue the gathers of recorded unit `j` now (inside the step, once this rank has
-        updated its own parameters of it), kept for the next forward. Every rank calls it for
-        j = 0, 1, ... in turn: one collective order."""
+        """Issue recorded unit `j`'s gathers for the next forward, once this rank updated its
+        parameters of it. Every rank calls it for j = 0, 1, ... in turn."""
         if j == 0:
             self.drop_ahead()
             self.from_step = []
@@ -148,36 +214,17 @@ class Scheduler:
                 self.from_step += [(e, e.param._version) for e in g.entries]
 
     def wait_ahead(self) -> None:
-        """Block until the gathers issued ahead have landed (kept for the forward)."""
         for flight in self.forward.ahead.values():
             flight.wait()
 
     def drop_ahead(self) -> None:
-        """Wait for and drop every gather issued ahead (the parameters are about to be
-        overwritten). Collective: every rank calls it at the same point of the program."""
+        """Wait for and drop every gather issued ahead. Collective."""
         self.forward.drain()
         self.from_step = None
 
-    def _check_from_step(self) -> None:
-        """A parameter changed on its owner since the step sent its value raises (the other
-        ranks hold the old value)."""
-        changed = [e.name for e, v in self.from_step if e.param._version != v]
-        self.from_step = None
-        if changed:
-            self.forward.drain()
-            raise RuntimeError(
-                f"{changed[:3]}{'...' if len(changed) > 3 else ''} changed between "
-                "optimizer.step() and the next forward, after Muon(gather_in_step=True) had "
-                "sent their values to the other ranks, which now hold the old ones. Change "
-                "dedicated parameters only before step() (or load them with "
-                "dmuon_fn.load_checkpoint), or use gather_in_step=False"
-            )
-
-    # ------------------------------------------------------------------ backward
-
     def regather(self, unit: Unit) -> Flight:
-        """`unit`'s values again in backward (Z3): one re-gather for all of them."""
-        self.reducer.flush()
+        """Z3 backward: `unit`'s values again, one re-gather for all of them."""
+        self._flush()
         key = id(unit)
         if key not in self.landed:
             self.landed[key] = self.backward.take(unit)
@@ -185,32 +232,93 @@ class Scheduler:
 
     def release(self, unit: Unit) -> None:
         """One re-gathered value of `unit` was taken; the copy goes once none is owed."""
-        unit.owed_regathers -= 1
-        if unit.owed_regathers <= 0:
-            unit.owed_regathers = 0
+        unit.owed_regathers = max(0, unit.owed_regathers - 1)
+        if not unit.owed_regathers:
             self.landed.pop(id(unit), None)
-
-    def deposit(self, g: Group, e: Entry, grad: Tensor) -> None:
-        """The gradient of one handed-out value of `e` (backward), into its module's bucket."""
-        if not self.pass_open:  # once per backward pass
-            self.pass_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.reducer.deposit(g, e, grad)
-
-    def _end_backward(self) -> None:
-        self.pass_open = False
-        self.reducer.end_pass()
-        self._restart_backward()
 
     def _restart_backward(self) -> None:
         self.backward.drain()
         self.landed.clear()
         self.backward.restart(self.order)
 
+    def deposit(self, g: Group, e: Entry, grad: Tensor) -> None:
+        """Add the gradient (shape `e.shape`) of one handed-out value of `e` into bucket `g`."""
+        if not self.pass_open:  # once per backward pass
+            self.pass_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._flush()
+        i = g.index[id(e)]
+        if g.flat is None:
+            g.flat = torch.empty(g.numel, dtype=g.reduce_dtype, device=g.device)
+        part = g.part(g.flat, i)
+        if g.has[i]:
+            part.add_(grad)
+        else:
+            part.copy_(grad)
+            g.has[i] = True
+        g.owed[i] = max(0, g.owed[i] - 1)
+        if self.sync and not any(g.owed):
+            self.ready.append(g)
+            if not self.depth:
+                self._flush()
+
+    def _end_backward(self) -> None:
+        """Reduce every sum (sync on), complete or not."""
+        self.pass_open = False
+        self._flush()
+        for g in self.buckets:
+            g.owed = [0] * len(g.entries)
+            if self.sync:
+                self._reduce(g)
+        self._restart_backward()
+
+    def _flush(self) -> None:  # the sums made complete since the last call
+        ready, self.ready = self.ready, []
+        for g in ready:
+            self._reduce(g)
+
+    def _reduce(self, g: Group) -> None:
+        """Issue the reduce of the bucket's sum (zeros for entries it holds no gradient of)."""
+        flat, members = g.flat, tuple(i for i, h in enumerate(g.has) if h)
+        g.flat, g.has = None, [False] * len(g.entries)
+        if flat is None:
+            return
+        for i in range(len(g.entries)):
+            if i not in members:
+                g.part(flat, i).zero_()
+        work = None
+        if self.topo.shard_size > 1:
+            with phase(f"backward (gradient reduce of {g.names})"):
+                work = reduce_start(flat, g.owner, self.topo.shard_group)
+        self.reduces.append(_Reduce(g, flat, work, members))
+        if not self.depth:
+            self.wait_reduces()
+
     def wait_reduces(self) -> None:
-        """Land every issued reduce in the global owners' `.grad`."""
-        self.reducer.wait()
+        """Land every issued reduce (HSDP: stage 2 issued here, in issue order) as the mean
+        (sum / (G·R)) in each global owner's `.grad`."""
+        self._flush()
+        topo, pending, self.reduces = self.topo, self.reduces, []
+        for r in pending:
+            with blocked(), phase(f"backward (gradient reduce of {r.group.names})"):
+                if r.work is not None:
+                    r.work.wait()
+                if topo.replicate_group is not None and topo.is_local_owner(r.group.entries[0]):
+                    r.stage2 = reduce_start(r.flat, r.group.owner_replica, topo.replicate_group)
+        scale = topo.shard_size * topo.replicate_size
+        for r in pending:
+            g = r.group
+            if r.stage2 is not None:
+                wait_work(r.stage2, f"backward (gradient reduce of {g.names})")
+            for i in r.members:
+                e = g.entries[i]
+                if topo.is_global_owner(e) and e.param.requires_grad:
+                    grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)
+                    with torch.no_grad():  # what autograd's AccumulateGrad does
+                        if e.param.grad is None:
+                            e.param.grad = grad
+                        else:
+                            e.param.grad += grad
 
     def set_sync(self, sync: bool) -> None:
-        """Gradient sync on (reduce) or off (accumulate on every rank, no traffic)."""
-        self.reducer.sync = bool(sync)
+        self.sync = bool(sync)

@@ -1,7 +1,6 @@
 """What `dedicate_params` attaches to a model (who holds what: dedicated/_entries.py), and the
 HSDP publish after each step: the global owner broadcasts the new value, in the model dtype, to
-the other replicas' local owners (in the background with `replicate_async`, waited for right
-before the parameter's next gather or update).
+the other replicas' local owners.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ class DedicatedState(Topology):
     entries: list[Entry] = field(default_factory=list)
     scheduler: Scheduler | None = None
     by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
-    tensor: TensorMesh | None = None  # the tensor-parallel ranks (dmuon_fn/tp/_layout.py)
+    tensor: TensorMesh | None = None  # the tensor-parallel ranks
 
     def entry(self, p: torch.Tensor) -> Entry | None:
         return self.by_param.get(id(p))
@@ -34,16 +33,15 @@ class DedicatedState(Topology):
         e.wait_publish()
 
     def publish(self, asynchronous: bool) -> None:
-        """Every entry forgets this step's `touched`; under HSDP the local owners of the touched
-        ones take the global owner's value (replicate group broadcast)."""
+        """Every entry forgets `touched`; under HSDP the local owners of the touched ones take
+        the global owner's value (`asynchronous`: waited for before its next gather or update)."""
         for e in self.entries:
             touched = e.touched
             e.next_step()
             if self.replicate_group is None or not (self.is_local_owner(e) and touched):
                 continue
             e.wait_publish()
-            # the parameter itself, except the global owner's fp32 master, sent as a cast copy
-            # (receivers hold the model dtype, so `to` is a no-op for them)
+            # the global owner sends a cast copy of its fp32 master; `to` is a no-op elsewhere
             buf = e.param.detach().to(e.dtype)
             what = f"step (HSDP publish of {e.name})"
             e.publish = broadcast_start(buf, e.owner_replica, self.replicate_group, what)

@@ -1,12 +1,7 @@
-"""Tensor parallelism: how a dedicated parameter lies over the tensor-parallel ranks.
-
-A model prepared with `parallelize_module(model, mesh["tp"], ...)` holds DTensors over the 1-D
-tensor mesh of T ranks: each keeps a shard (`Shard(d)`, torch.chunk's sizes, possibly uneven)
-or a whole copy (`Replicate()`); plain parameters are whole copies in effect. `dedicate_params`
-dedicates each tensor rank's own part over the data mesh, as a plain parameter (tensor rank t
-of the owner slot holds part t); the module computes with `TensorLayout.to_module(part)`, the
-DTensor it held before. Each matrix is orthogonalized once in the job, on the tensor rank
-`root` of its owner slot (dmuon_fn/tp/_transfer.py; proofs/tensor_parallel.md).
+"""How a dedicated parameter lies over the tensor-parallel ranks (`parallelize_module` over a 1-D
+tensor mesh of T ranks): a `Shard(d)` DTensor (torch.chunk's sizes), or a whole copy
+(`Replicate()`, or a plain tensor). Tensor rank t of the owner slot holds part t as a plain
+parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -21,12 +16,10 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-PLAIN = "plain"  # a plain tensor, replicated over the tensor ranks
-
 
 @dataclass(frozen=True, eq=False)
 class TensorMesh:
-    """The tensor-parallel ranks this rank belongs to, and dmuon_fn's own group over them."""
+    """This rank's tensor-parallel ranks, and dmuon_fn's own group over them."""
 
     mesh: DeviceMesh
     group: dist.ProcessGroup
@@ -36,10 +29,9 @@ class TensorMesh:
 
 @dataclass(frozen=True, eq=False)
 class TensorLayout:
-    """One dedicated parameter over the tensor ranks: sharded along `dim` (None: a whole copy on
-    every tensor rank), its whole `full_shape`, every tensor rank's extent along `dim`, the
-    tensor rank `root` that orthogonalizes it, and the placements the module computes with
-    (None: the parameter was a plain tensor and stays one)."""
+    """One dedicated parameter over the tensor ranks: sharded along `dim` (None: a whole copy),
+    `sizes[t]`: tensor rank t's extent along `dim`; `placements`: the module's DTensor's (None:
+    a plain tensor)."""
 
     tp: TensorMesh
     dim: int | None
@@ -56,7 +48,6 @@ class TensorLayout:
         return sum(self.sizes[:t])
 
     def part_shape(self, t: int) -> torch.Size:
-        """The shape of tensor rank t's part."""
         if self.dim is None:
             return self.full_shape
         shape = list(self.full_shape)
@@ -64,31 +55,23 @@ class TensorLayout:
         return torch.Size(shape)
 
     def to_module(self, part: torch.Tensor) -> torch.Tensor:
-        """What the module computes with: the DTensor over the tensor mesh it was built with
-        (shares `part`'s memory; autograd hands the part its local gradient)."""
+        """The DTensor the module was built with, around `part` (no copy)."""
         return part if self.placements is None else self._whole(part, self.placements)
 
     def to_checkpoint(self, part: torch.Tensor) -> torch.Tensor:
-        """`part` as the whole parameter's shard for DCP (a view, so a load writes into
-        `part`); a whole copy stays plain (DCP writes one of the equal copies)."""
+        """`part` as a view of the whole for DCP (a sharded one: a DTensor; a copy stays plain)."""
         return self._whole(part, (Shard(self.dim),)) if self.sharded else part
 
     def _whole(self, part: torch.Tensor, placements: tuple) -> torch.Tensor:
-        """`part` as this tensor rank's local tensor of a DTensor of the whole shape."""
+        full, stride = self.full_shape, make_contiguous_strides_for(self.full_shape)
         return DTensor.from_local(
-            part,
-            self.tp.mesh,
-            placements,
-            run_check=False,
-            shape=self.full_shape,
-            stride=make_contiguous_strides_for(self.full_shape),
+            part, self.tp.mesh, placements, run_check=False, shape=full, stride=stride
         )
 
 
 def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
-    """The 1-D mesh the model's DTensor parameters lie on (`parallelize_module`'s), or None.
-    Raises for what dedicate_params cannot take: DTensors over several meshes or a mesh of more
-    than one dimension, and placements other than Shard and Replicate."""
+    """The one 1-D mesh of the model's DTensor parameters, or None; raises for several meshes,
+    a mesh of more dims, or placements other than Shard and Replicate."""
     found: dict[tuple[int, ...], tuple[str, DeviceMesh]] = {}  # by the mesh's ranks
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
@@ -118,9 +101,8 @@ def find_tensor_mesh(model: nn.Module) -> DeviceMesh | None:
 
 
 def check_crossing(tensor: DeviceMesh, data: list[DeviceMesh]) -> None:
-    """The tensor mesh and the data meshes (shard, and replicate under HSDP) are the dims of
-    one mesh over the world: their groups cross in exactly this rank and their sizes multiply
-    to the world size."""
+    """Raises unless the tensor and data meshes are the dims of one mesh over the world (their
+    groups cross in exactly this rank, their sizes multiply to the world size)."""
     ranks = [set(m.mesh.flatten().tolist()) for m in (tensor, *data)]
     me = dist.get_rank()
     crossing = all(a & b == {me} for i, a in enumerate(ranks) for b in ranks[i + 1 :])
@@ -137,7 +119,7 @@ def check_crossing(tensor: DeviceMesh, data: list[DeviceMesh]) -> None:
 def layout_name(p: torch.Tensor) -> str:
     """A parameter's layout over the tensor mesh, as the plan records it."""
     if not isinstance(p, DTensor):
-        return PLAIN
+        return "plain"
     (pl,) = p.placements
     return f"Shard({pl.dim % p.ndim})" if isinstance(pl, Shard) else "Replicate()"
 
@@ -148,20 +130,20 @@ def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:
     (pl,) = p.placements
     full = p.shape
     if isinstance(pl, Replicate):
-        return TensorLayout(tp, None, full, (), root, tuple(p.placements))
+        return TensorLayout(tp, None, full, (), root, (pl,))
     dim = pl.dim % len(full)
-    sizes = chunk_sizes(full[dim], tp.size)
-    if sizes[tp.rank] != p.to_local().shape[dim]:  # (a Shard layout other than torch.chunk's)
+    sizes, held = chunk_sizes(full[dim], tp.size), p.to_local().shape[dim]
+    if sizes[tp.rank] != held:  # (a Shard layout other than torch.chunk's)
         raise ValueError(
-            f"a DTensor of shape {tuple(full)} sharded over dim {dim} holds "
-            f"{p.to_local().shape[dim]} rows on tensor rank {tp.rank}, not torch.chunk's "
-            f"{sizes[tp.rank]}: dedicate_params takes DTensor's own Shard layout"
+            f"a DTensor of shape {tuple(full)} sharded over dim {dim} holds {held} rows on "
+            f"tensor rank {tp.rank}, not torch.chunk's {sizes[tp.rank]}: dedicate_params takes "
+            "DTensor's own Shard layout"
         )
     return TensorLayout(tp, dim, full, sizes, root, (Shard(dim),))
 
 
 def chunk_sizes(n: int, parts: int) -> tuple[int, ...]:
-    """Each of `parts` ranks' extent of a dim of size n under Shard: torch.chunk's, ceil(n/parts)
-    each while they last, then the rest, then zeros (proofs/tensor_parallel.md claim 1)."""
+    """Each of `parts` ranks' extent of a dim of size n under Shard: torch.chunk's
+    (proofs/tensor_parallel.md claim 1)."""
     step = -(-n // parts)
     return tuple(max(0, min(step, n - t * step)) for t in range(parts))

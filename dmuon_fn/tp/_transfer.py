@@ -1,18 +1,9 @@
 """The step's one exchange under tensor parallelism: each matrix orthogonalized once in the job.
 
-The T tensor ranks of a matrix's owner slot each hold a part of its Newton-Schulz input u (a
-shard, or a whole copy), computed elementwise from their parts of the gradient and momentum.
-Per matrix:
-
-    gather   every other tensor rank sends its part of u to the root (sharded matrices only:
-             the root of a whole copy has u already)
-    NS       the root orthogonalizes the whole u: O = orthogonalize(u), u's dtype and shape
-    scatter  the root sends each tensor rank its part of O (a whole copy: all of O)
-
-Transfers are point-to-point over dmuon_fn's own group of the tensor ranks, in two batches
-(every gather of the step, then every scatter), each in the plan's entry order on every rank;
-tags: TP_TAG + 2·index (gather), + 1 (scatter). Why this matches and cannot deadlock, and the
-bytes: proofs/tensor_parallel.md claims 7 and 8.
+The other tensor ranks of a matrix's owner slot send their parts of its Newton-Schulz input u to
+`root` (sharded matrices only), which orthogonalizes the whole u and sends each its part of O.
+Two point-to-point batches per step, each in the plan's entry order (proofs/tensor_parallel.md
+claims 4, 7 and 8).
 """
 
 from __future__ import annotations
@@ -32,14 +23,13 @@ TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its sca
 
 
 class Split(Protocol):
-    """A matrix split over the tensor ranks (dedicated/_entries.Entry): its layout."""
+    """A matrix split over the tensor ranks (dedicated/_entries.Entry)."""
 
     tp: TensorLayout
 
 
 class TensorExchange:
-    """One step's exchange (module docstring): `post` every matrix, `orthogonalize` (the gather,
-    the roots' Newton-Schulz, the scatter issued), then `result` per matrix."""
+    """One step's exchange: `post` every matrix, `orthogonalize`, then `result` per matrix."""
 
     def __init__(self, ns: NSConfig) -> None:
         self.ns = ns
@@ -49,14 +39,13 @@ class TensorExchange:
         self._scatter: list[dist.Work] = []
 
     def post(self, e: Split, index: int, u: Tensor) -> None:
-        """This rank's part `u` (shape `e.tp.part_shape(rank)`) of `e`'s Newton-Schulz input (a
-        temporary: the root may overwrite it); `index`: `e`'s place in the plan, the same on
-        every rank."""
+        """This rank's part `u` (shape `e.tp.part_shape(rank)`; the root may overwrite it) of
+        `e`'s Newton-Schulz input; `index`: `e`'s place in the plan."""
         self._posted.append((e, index, u))
 
     def orthogonalize(self) -> None:
-        """Gather every split matrix's parts of u to its root (one batch), orthogonalize each
-        matrix this rank is the root of, and issue the scatter of O's parts (one batch)."""
+        """Gather the parts of u to the roots, orthogonalize where this rank is the root, issue
+        the scatter of O's parts."""
         ops, received = [], {}
         for e, index, u in self._posted:
             lay, tp = e.tp, e.tp.tp
@@ -93,20 +82,17 @@ class TensorExchange:
         self._scatter = _batch(ops, "scatter")
 
     def result(self, e: Split) -> Tensor:
-        """This rank's part of `e`'s orthogonalized update (the caller may overwrite it: the
-        scatter, which may read the root's part, has landed)."""
+        """This rank's part of `e`'s orthogonalized update (the caller may overwrite it)."""
         self.finish()
         return self._out.pop(id(e))
 
     def finish(self) -> None:
-        """Wait for the scatter, so no transfer outlives the step."""
         for work in self._scatter:
             _wait(work, "scatter")
         self._scatter = []
 
 
 def _part(O: Tensor, lay: TensorLayout, t: int) -> Tensor:
-    """Tensor rank t's part of the whole `O` (contiguous)."""
     if not lay.sharded:
         return O
     return O.narrow(lay.dim, lay.offset(t), lay.sizes[t]).contiguous()
@@ -117,7 +103,6 @@ def _op(fn, t: Tensor, tp, peer: int, tag: int) -> dist.P2POp:
 
 
 def _batch(ops: list[dist.P2POp], what: str) -> list[dist.Work]:
-    """One batch of transfers (NCCL: one group)."""
     if not ops:
         return []
     with phase(f"step (tensor-parallel {what})"):

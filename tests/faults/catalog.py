@@ -149,7 +149,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "dedicated gradients summed instead of averaged over data ranks",
-        "dmuon_fn/dedicated/_reduce.py",
+        "dmuon_fn/dedicated/_schedule.py",
         "grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)",
         "grad = g.part(r.flat, i).to(e.param.dtype)",
         (DIST2,),
@@ -229,7 +229,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "gradient accumulation keeps only the last micro-batch",
-        "dmuon_fn/dedicated/_reduce.py",
+        "dmuon_fn/dedicated/_schedule.py",
         "e.param.grad += grad",
         "e.param.grad = grad",
         (TRAIN + "::test_accumulation_equals_one_big_batch",),
@@ -250,7 +250,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "Z3's backward re-gathers not prefetched",
-        "dmuon_fn/dedicated/_units.py",
+        "dmuon_fn/dedicated/_schedule.py",
         "stop = max(self.pos - self.depth, -1)",
         "stop = max(self.pos, -1)",
         (PREFETCH_DEPTH,),
