@@ -138,8 +138,7 @@ class NextForward:
     def __init__(self, st: DedicatedState, enabled: bool) -> None:
         self.sched, self.entry, self.issued = st.scheduler, st.entry, 0
         keep_all = not st.reshard_after_forward
-        plan = self.sched.next_forward_order(keep_all) if enabled else (0, {})
-        self.count, self.first = plan
+        self.count, self.first = self.sched.next_forward_order(keep_all) if enabled else (0, {})
 
     def unit(self, p: torch.Tensor) -> int:
         """The first unit whose gather must wait for `p`'s update (-1: none)."""

@@ -1,17 +1,7 @@
 """The functional API: plan / init / value_and_grad / update, one whole step under
-torch.compile(fullgraph=True).
-
-    plan  = dmuon_fn.plan(model, mesh)                        # pure, from shapes
-    state = dmuon_fn.init(model, plan, dmuon_fn.Config())     # pytree of tensors
-    @torch.compile(fullgraph=True)
-    def train_step(state, batch, lr):
-        loss, grads = dmuon_fn.value_and_grad(loss_fn, plan)(state.params, batch)
-        return loss, dmuon_fn.update(grads, state, lr=lr)
-
-Every parameter is dedicated to one global owner (Muon for `predicate`'s matrices, AdamW for
-the rest). Who owns what is a constant of the plan, so each rank compiles its graph once; lr,
-weight decay and step counts are 0-d tensors (proofs/step_notes.md).
-"""
+torch.compile(fullgraph=True) (docs/functional.md). Every parameter is dedicated to one global
+owner; who owns what is a constant of the plan, so each rank compiles its graph once; lr, weight
+decay and step counts are 0-d tensors (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
@@ -157,15 +147,11 @@ def global_grad_norm(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.T
     return _global_sq(grads, fn_plan).sqrt()
 
 
-def _global_sq(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
+def _global_sq(grads: dict[str, torch.Tensor], fp: FnPlan) -> torch.Tensor:
     """Σ‖g‖² over the trainable parameters; every rank issues the same all-reduces."""
-    device = grads[fn_plan.names[0]].device
-    gs = [grads[n] for n in fn_plan.names if n in fn_plan.trainable]
-    sq = guard.squared_norms(gs, device).sum()
-    for size, group in (
-        (fn_plan.shard_size, fn_plan.group),
-        (fn_plan.replicate_size, fn_plan.rep_group),
-    ):
+    gs = [grads[n] for n in fp.names if n in fp.trainable]
+    sq = guard.squared_norms(gs, grads[fp.names[0]].device).sum()
+    for size, group in ((fp.shard_size, fp.group), (fp.replicate_size, fp.rep_group)):
         if size > 1:
             sq = funcol.all_reduce(sq, "sum", group)
     return sq

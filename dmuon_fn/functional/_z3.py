@@ -1,12 +1,8 @@
-"""Z3 inside the compiled functional step: each stage's parameters gathered for its forward,
-freed, and gathered again for its backward (differentiated stage by stage with torch.func.vjp).
-
-    stages = [(names, fn), ...]    # fn(params, x, batch) -> x; the last stage returns the loss
-    loss, grads = dmuon_fn.value_and_grad(stages, plan)(state.params, batch)
-
-Every gather and reduce is one dmuon op over one stage's parameters, in one order on every rank
-(prefetch=0: a token chain, blocking; 1: a ticket chain, one stage ahead); proofs/step_notes.md.
-"""
+"""Z3 inside the compiled functional step (docs/functional.md): each stage's parameters gathered
+for its forward, freed, and gathered again for its backward, differentiated stage by stage with
+torch.func.vjp. Every gather and reduce is one dmuon op over one stage's parameters, in one order
+on every rank (prefetch=0: a token chain, blocking; 1: a ticket chain, one stage ahead);
+proofs/step_notes.md."""
 
 from __future__ import annotations
 

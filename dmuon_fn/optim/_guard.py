@@ -24,10 +24,7 @@ def squared_norms(grads: Sequence[Tensor], device: torch.device) -> Tensor:
 
 def counters(device: torch.device) -> tuple[Tensor, Tensor]:
     """The guard's zeroed 0-d counters on `device`: (skipped steps int64, last norm float32)."""
-    return (
-        torch.zeros((), dtype=torch.int64, device=device),
-        torch.zeros((), dtype=torch.float32, device=device),
-    )
+    return tuple(torch.zeros((), dtype=dt, device=device) for dt in (torch.int64, torch.float32))
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:

@@ -41,10 +41,7 @@ class AdamWState(NamedTuple):
 
 
 # Each pure state's fields as a state dict names them (`optimizer.state[p]`, checkpoints).
-STATE_KEYS: dict[type, tuple[str, ...]] = {
-    MuonState: ("momentum_buffer",),
-    AdamWState: AdamWState._fields,
-}
+STATE_KEYS = {MuonState: ("momentum_buffer",), AdamWState: AdamWState._fields}
 KINDS: dict[str, type] = {"muon": MuonState, "adamw": AdamWState}
 
 
