@@ -170,12 +170,8 @@ def exchange_momenta(
         if group["kind"] != "muon" or e is None or e.tp is None or not steps_here(st, p):
             continue
         s = state[p]
-        u, ms = muon_momentum(
-            p.grad,
-            state_from(MuonState, s),
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-        )
+        hyper = {k: group[k] for k in ("momentum", "nesterov")}
+        u, ms = muon_momentum(p.grad, state_from(MuonState, s), **hyper)
         for k, v in state_items(ms).items():
             guard.write(s[k], v, ok)
         ex.post(e, index[id(e)], u)
