@@ -17,14 +17,7 @@ from .ns._backend import get_ns_backend
 from .ns._coefficients import PRESETS
 from .ns._orthogonalize import NSConfig, orthogonalize
 from .optim._config import Config
-from .optim._update import (
-    AdamWState,
-    MuonState,
-    adamw_init,
-    adamw_update,
-    muon_init,
-    muon_update,
-)
+from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 from .planning._check import PlanMismatchError, check_plan_consistent
 from .planning._partition import Plan, partition
 from .planning._summary import PlanSummary, measure_gemm_flops

@@ -1,15 +1,9 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both APIs.
-
-A checkpoint saved by either face loads into the other (same model, same predicate), on any
-world size or mesh shape. Every rank writes only what it holds (nothing is gathered) under keys
-`model.<name>` (a dedicated parameter's master in its global owner's dict only; FSDP2 DTensors,
-plain parameters and buffers on every rank), `optim.<name>.<key>` (the state on the rank(s) that
-update it: `_update.STATE_KEYS`), `optim.param_groups.<kind>.<hyper>` (`Config.groups()`'s names)
-and `optim.skipped_steps`, `optim.grad_norm` (the guard's counters); who writes and reads each,
-and why every value is written once: proofs/checkpoint.md. Load reads the saved metadata (no
-collective), checks names and full shapes, then each rank requests only what it holds under the
-NEW plan: the global owner the value and its state, HSDP's other local owners the value (cast on
-copy to their compute dtype), FSDP2 DTensors their new shards.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both faces: a
+checkpoint saved by either loads into the other (same model and predicate) on any world size or
+mesh shape. Each rank writes only what it holds and reads only what it holds under the new
+plan. Keys: `model.<name>`, `optim.<name>.<key>` (`_update.STATE_KEYS`),
+`optim.param_groups.<kind>.<hyper>` (`Config.groups()`), `optim.skipped_steps`,
+`optim.grad_norm`; who writes and reads each: proofs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ _GROUPS = "optim.param_groups."
 
 
 def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
-    """Save `model` (prepared by `dedicate_params`, then `fully_shard`) and its `Muon` optimizer
-    to the directory `path`. Collective: every rank calls it with the same path and writes its
-    own file; pending HSDP publishes are waited on first."""
+    """Save `model` (prepared by `dedicate_params`, then `fully_shard`) and its `Muon` to the
+    directory `path`. Collective (same path on every rank)."""
     st = _require(model, optimizer)
     optimizer.wait_publish()
     sd, _ = _object_keys(model, optimizer, st, load=False)
@@ -51,10 +44,9 @@ def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
 
 
 def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
-    """Load a checkpoint saved by `save_checkpoint` into `model` and `optimizer` in place, on any
-    world size or mesh shape (owners follow the current plan). Param-group hyperparameters (lr,
-    momentum, ...) come from the checkpoint, as with `Optimizer.load_state_dict`; state tensors
-    keep their current dtype (`Muon(state_dtype=...)`). Collective; nothing is left pending."""
+    """Load a checkpoint into `model` and `optimizer` in place, on any world size or mesh shape.
+    Param-group hyperparameters come from the checkpoint (as `Optimizer.load_state_dict`);
+    state tensors keep their dtype (`Muon(state_dtype=...)`). Collective."""
     st = _require(model, optimizer)
     optimizer.wait_publish()  # a background publish would overwrite the loaded values
     st.scheduler.drop_ahead()  # gathers the step issued carry the values being replaced
@@ -78,10 +70,9 @@ def save_state(
     weight_decay: float | torch.Tensor | None = None,
     adamw_weight_decay: float | torch.Tensor | None = None,
 ) -> None:
-    """Save a functional `State` (params, optimizer state, the guard's counters, and the
-    Config's hyperparameters) to the directory `path`, in the object API's format. Pass the
-    per-step values last given to `update` (lr, ...) when they are not the Config's, so the
-    checkpoint records what the run used. Collective over the default group when initialized."""
+    """Save a functional `State` and its Config's hyperparameters to the directory `path`, in
+    the object API's format; pass the per-step values last given to `update` where they are not
+    the Config's. Collective when torch.distributed is initialized."""
     given = dict(
         lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay
     )
@@ -93,11 +84,9 @@ def save_state(
 
 
 def load_state(path: PathLike, state: State) -> State:
-    """A copy of `state` (freshly `init`-ed for the current plan and mesh) with the values saved
-    by `save_state` or `save_checkpoint`, on any world size or mesh shape, and a Config whose
-    hyperparameters (lr, momentum, betas, ...) are the checkpoint's. Optimizer state keeps the
-    dtype of `state` (its `Config.state_dtype`), parameters the dtypes `init` gave them; the
-    input is not modified. Collective."""
+    """A copy of `state` (freshly `init`-ed) with the values of a checkpoint of either face, on
+    any world size or mesh shape, and a Config with its hyperparameters. Tensors keep `state`'s
+    dtypes; `state` is not modified. Collective."""
     md = _metadata(path)
     new = State(
         {n: t.clone() for n, t in state.params.items()},
@@ -121,13 +110,13 @@ def load_state(path: PathLike, state: State) -> State:
 
 
 def _group_entries(hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Param-group hyperparameters {kind: {name: value}} keyed as the checkpoint keys them."""
+    """{kind: {name: value}} as checkpoint entries."""
     return {f"{_GROUPS}{kind}.{k}": v for kind, g in hyper.items() for k, v in g.items()}
 
 
 def _group_keys(md: Metadata, groups: dict[str, Any], *, known_only: bool) -> dict[str, tuple]:
-    """The checkpoint's param-group keys of the kinds in `groups`, as {key: (kind, name)}
-    (known_only: only the names `groups[kind]` has)."""
+    """The checkpoint's param-group keys of `groups`' kinds -> (kind, name) (known_only: only
+    names `groups[kind]` has)."""
     out = {}
     for k in sorted(md.state_dict_metadata):
         if k.startswith(_GROUPS):
@@ -138,15 +127,14 @@ def _group_keys(md: Metadata, groups: dict[str, Any], *, known_only: bool) -> di
 
 
 def _kinds(state: State) -> list[str]:
-    """The param-group kinds a plan has (the object API makes a group only when non-empty)."""
+    """The param-group kinds the plan has parameters for (as the object API's groups)."""
     fp = state.plan
     return [k for k, has in (("muon", fp.muon), ("adamw", set(fp.names) - fp.muon)) if has]
 
 
 def _counters_of(state: State) -> tuple[torch.Tensor, torch.Tensor]:
-    """The State's guard counters (zeros for a State built without them)."""
-    device = next(iter(state.params.values())).device
-    fresh = counters(device)
+    """Copies of the State's guard counters (zeros where it has none)."""
+    fresh = counters(next(iter(state.params.values())).device)
     got = (state.skipped_steps, state.grad_norm)
     return tuple(f if g is None else g.clone() for f, g in zip(fresh, got, strict=True))
 
@@ -167,9 +155,7 @@ def _require(model: nn.Module, optimizer: Muon) -> DedicatedState:
 
 
 def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load: bool) -> Keys:
-    """Dedicated values on the global owner (load: every local owner), their optimizer state on
-    the global owner; DTensors, plain params, buffers, FSDP2 params' state and the guard's
-    counters on every rank."""
+    """The object face's entries this rank holds, and every key's full shape."""
     sd: dict[str, Any] = {}
     shapes: dict[str, tuple] = {}
     for n, p in model.named_parameters():
@@ -183,33 +169,27 @@ def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load:
             shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else full  # 0-d: step counts
             if held:
                 sd[f"optim.{n}.{k}"] = v if v.ndim == 0 else _part(e, v)
-    for n, b in _buffers(model).items():
-        sd[f"model.{n}"], shapes[f"model.{n}"] = b.detach(), tuple(b.shape)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for n, b in model.state_dict(keep_vars=True).items():  # buffers
+        if n not in params and torch.is_tensor(b):
+            sd[f"model.{n}"], shapes[f"model.{n}"] = b.detach(), tuple(b.shape)
     return _with_counters(sd, shapes, optimizer.skipped_steps, optimizer.grad_norm)
 
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:
-    """A dedicated tensor as the checkpoint keys it: under tensor parallelism this rank's part
-    as a DTensor of the whole (DCP reshards it to any tensor-parallel degree on load)."""
+    """A dedicated tensor as saved: under tensor parallelism this rank's part as a DTensor of
+    the whole (so DCP reshards it to any tensor-parallel degree)."""
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
 def _with_counters(sd, shapes, skipped: torch.Tensor, norm: torch.Tensor) -> Keys:
-    """With the guard's 0-d counters, the same on every rank (kept so that a resumed run reports
-    what an uninterrupted one would)."""
+    """With the guard's 0-d counters (on every rank)."""
     sd.update({"optim.skipped_steps": skipped, "optim.grad_norm": norm})
     return sd, shapes | {"optim.skipped_steps": (), "optim.grad_norm": ()}
 
 
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    sd = model.state_dict(keep_vars=True)
-    return {n: b for n, b in sd.items() if n not in params and torch.is_tensor(b)}
-
-
 def _state_keys(state: State, *, load: bool) -> Keys:
-    """A functional State's: each value on its global owner (load: every local owner), its
-    optimizer state on the global owner; the counters on every rank."""
+    """The functional face's entries this rank holds, and every key's full shape."""
     fp, sd, shapes = state.plan, {}, {}
     for n in fp.names:
         items = state_items(state.opt[n])
@@ -233,48 +213,42 @@ def _metadata(path: PathLike) -> Metadata:
 
 
 def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:
-    """Same names and full shapes as the model (every rank checks everything, so all raise)."""
+    """Same names and full shapes as the model, on every rank (so all raise alike)."""
+    where = f"checkpoint {os.fspath(path)!r}"
     saved = {
         k: tuple(m.size)
         for k, m in md.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata) and not k.startswith("optim.param_groups.")
+        if isinstance(m, TensorStorageMetadata) and not k.startswith(_GROUPS)
     }
     for k, shape in want.items():
         if k not in saved:
-            raise ValueError(f"checkpoint {os.fspath(path)!r} has no {k!r}: {_why(k, saved)}")
+            raise ValueError(f"{where} has no {k!r}: {_why(k, saved)}")
         if saved[k] != shape:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r}: {k!r} has shape {saved[k]}, the model's is "
-                f"{shape}"
-            )
+            raise ValueError(f"{where}: {k!r} has shape {saved[k]}, the model's is {shape}")
     extra = sorted(set(saved) - set(want))
     if extra:
         raise ValueError(
-            f"checkpoint {os.fspath(path)!r} has {extra[0]!r}, which this model lacks "
-            f"({len(extra)} such keys)"
+            f"{where} has {extra[0]!r}, which this model lacks ({len(extra)} such keys)"
         )
 
 
 def _why(key: str, saved: dict[str, tuple]) -> str:
     """Why a checkpoint lacks `key`: another optimizer for that parameter, or another model."""
-    if key.startswith("optim."):
-        name = key[len("optim.") :].rsplit(".", 1)[0]
-        if f"model.{name}" in saved:
-            kinds = {k: t.__name__[: -len("State")] for t, ks in STATE_KEYS.items() for k in ks}
-            mine = f"optim.{name}."
-            theirs = sorted(
-                {kinds.get(k.rsplit(".", 1)[1], "?") for k in saved if k.startswith(mine)}
-            )
-            return (
-                f"{name} was saved with {'/'.join(theirs)} state, this run gives it "
-                f"{kinds.get(key.rsplit('.', 1)[1], '?')}: plan (or dedicate_params) with the "
-                "predicate the checkpoint was saved with"
-            )
-    return "it was saved from a model with other parameter names (or another optimizer)"
+    name, _, field = key.removeprefix("optim.").rpartition(".")
+    if not (key.startswith("optim.") and f"model.{name}" in saved):
+        return "it was saved from a model with other parameter names (or another optimizer)"
+    kinds = {k: t.__name__[: -len("State")] for t, ks in STATE_KEYS.items() for k in ks}
+    mine = f"optim.{name}."
+    theirs = sorted({kinds.get(k.rpartition(".")[2], "?") for k in saved if k.startswith(mine)})
+    return (
+        f"{name} was saved with {'/'.join(theirs)} state, this run gives it "
+        f"{kinds.get(field, '?')}: plan (or dedicate_params) with the predicate the checkpoint "
+        "was saved with"
+    )
 
 
 def _dcp(fn, path: PathLike, sd: dict[str, Any]) -> None:
-    """dcp.save or dcp.load; without a process group (one process) where none is initialized."""
+    """dcp.save or dcp.load (without a process group where none is initialized)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         fn(sd, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))

@@ -1,22 +1,5 @@
-"""Muon: the stateful shell over the pure updates (dmuon_fn/optim), for models prepared by
-`dedicate_params`. It holds a `Config` built from its arguments, and no math.
-
-Param groups (usable with torch.optim.lr_scheduler; hyperparameters from `Config.groups()`):
-- "muon": dedicated matrices, each updated by its global owner alone from the gradient reduced
-  during backward; under HSDP the new values are then published to the other replicas (in the
-  background with `replicate_async`); under tensor parallelism every tensor rank of the owner
-  updates its part (`_muon_step.exchange_momenta`).
-- "adamw": everything else: FSDP2 shards (DTensor, updated shard-locally), dedicated
-  non-matrices (updated by their owner), and plain parameters on a world of one.
-Every rank holds a state entry with the same keys for every parameter (0-size placeholders where
-it does not update it). The state is per rank: save and load every rank's `state_dict()`.
-
-gather_in_step=True (1-D meshes, prefetch >= 1): the step also issues the next forward's gathers
-(`_muon_step.NextForward`). Contract: dedicated parameters do not change between `step()` and the
-next forward (`dmuon_fn.load_checkpoint` drops the gathers first; an owner that sees its parameter
-changed raises at the next forward), and the root forward runs eagerly (proofs/step_notes.md).
-Each step first runs the gradient guard (`_muon_step.GradGuard`; `Config`'s max_grad_norm and
-nonfinite, proofs/guard.md).
+"""Muon: the stateful shell over `optim/`'s pure updates (no math), for models prepared by
+`dedicate_params`; it builds one `Config` from its arguments (proofs/step_notes.md).
 """
 
 from __future__ import annotations
@@ -27,18 +10,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch import Tensor
 
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
 from ..optim._update import KINDS, init_state, muon_apply, param_update, state_from, state_items
-from ..tp._transfer import TensorExchange
 from . import _fsdp_adapter as fsdp
 from ._muon_step import GradGuard, NextForward, exchange_momenta, steps_here, updates_here
 from ._state import DedicatedState, dedicated_state
 
 
 class Muon(torch.optim.Optimizer):
+    """Param groups (hyperparameters from `Config.groups()`, LR schedulers welcome): "muon", the
+    dedicated matrices, each updated by its global owner (under tensor parallelism by every
+    tensor rank of it, under HSDP then published to the other replicas); "adamw", the rest
+    (FSDP2 shards shard-locally, dedicated non-matrices by their owner, plain parameters on a
+    world of one). Every rank's state has the same keys (0-size where it does not update): save
+    and load every rank's `state_dict()`. gather_in_step=True (1-D mesh, prefetch >= 1): the
+    step also issues the next forward's gathers; dedicated parameters must not change before
+    that forward, whose root runs eagerly. `skipped_steps`, `grad_norm`: the guard's counters
+    (0-d device tensors, int64 and float32)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -94,7 +87,16 @@ class Muon(torch.optim.Optimizer):
             nonfinite=nonfinite,
             host_sync=True,
         )
-        check_gather_in_step(st, gather_in_step)
+        if gather_in_step and st.replicate_group is not None:
+            raise ValueError(
+                "gather_in_step=True runs on a 1-D mesh; under HSDP each step's publish already "
+                "moves the new values in the background (replicate_async)"
+            )
+        if gather_in_step and st.scheduler.depth < 1:
+            raise ValueError(
+                "gather_in_step=True needs dedicate_params(..., prefetch >= 1): with prefetch 0 "
+                "every gather blocks where it is issued"
+            )
         self.st: DedicatedState = st
         self.replicate_async = replicate_async
         self.gather_in_step = bool(gather_in_step)
@@ -102,10 +104,13 @@ class Muon(torch.optim.Optimizer):
         super().__init__(param_groups(model, st, self.config), {})
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p] = placeholder_state(st, group["kind"], p, state_dtype)
+                # 0-size where this rank does not update p; the step count on p's device, so a
+                # masked (skipped) step never syncs
+                dt = state_dtype or p.dtype
+                like = p if updates_here(st, p) else torch.empty(0, dtype=dt, device=p.device)
+                self.state[p] = state_items(init_state(group["kind"], like, dt))
         self.guard = GradGuard(model, st, self.config, self.param_groups)
         self.ns = self.config.ns
-        # the guard's counters (GradGuard), updated in place: read them when logging (syncs)
         self.skipped_steps, self.grad_norm = self.guard.skipped_steps, self.guard.grad_norm
         kinds = repr([(g["kind"], len(g["params"])) for g in self.param_groups])
         self.config.check_setup(st.entries[0].param.device, **{"param groups": kinds})
@@ -147,16 +152,9 @@ class Muon(torch.optim.Optimizer):
         self.guard.forget()
         return loss
 
-    def _update(
-        self,
-        kind: str,
-        p: torch.Tensor,
-        group: dict[str, Any],
-        ok: torch.Tensor | None,
-        exchange: TensorExchange | None,
-    ) -> None:
-        """One parameter's update, where this rank makes it (a no-op elsewhere), written in
-        place and masked by `ok`. `group`: its param group, lr and weight_decay as tensors."""
+    def _update(self, kind: str, p: Tensor, group: dict, ok: Tensor | None, exchange) -> None:
+        """`p`'s update where this rank makes it, written in place, masked by `ok`; `group` has
+        lr and weight_decay as tensors."""
         if not steps_here(self.st, p):
             return
         e = self.st.entry(p)
@@ -183,10 +181,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale every gradient by min(1, max_norm / ‖all gradients‖) (one all-reduce, stays
-        on device) and return the total norm before clipping (float32, 0-d). Equals
-        torch.nn.utils.clip_grad_norm_ over the unsharded model's gradients. A following
-        `step()` reuses this norm and does not clip again."""
+        """torch.nn.utils.clip_grad_norm_ over the unsharded model's gradients, on device: the
+        norm before clipping (float32, 0-d). The next `step()` does not clip again."""
         guard.check_max_norm(max_norm)
         self.st.scheduler.wait_reduces()
         return self.guard.clip(max_norm)
@@ -199,9 +195,8 @@ class Muon(torch.optim.Optimizer):
             e.follow_requires_grad()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch.optim.Optimizer's, then step counts back on the parameter's device and the
-        rest back to `state_dtype` (the base class casts state to each parameter's dtype, which
-        would silently turn fp32 moments of bf16 params bf16)."""
+        """As torch.optim.Optimizer's, then step counts on the parameter's device and the rest in
+        `state_dtype` (the base class casts state to each parameter's dtype)."""
         super().load_state_dict(state_dict)
         dtype = self.config.state_dtype
         for p, state in self.state.items():
@@ -212,9 +207,8 @@ class Muon(torch.optim.Optimizer):
                     state[k] = v.to(dtype)
 
     def wait_publish(self) -> None:
-        """Block until every background publish of the last step (with gather_in_step: the next
-        forward's gathers it issued), and every gradient reduce of the last backward, has
-        landed."""
+        """Block until the last backward's reduces and the last step's publishes (and gathers
+        issued for the next forward) have landed."""
         self.st.scheduler.wait_reduces()
         self.st.scheduler.wait_ahead()
         for e in self.st.entries:
@@ -222,8 +216,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[dict[str, Any]]:
-    """The torch.optim param groups: "muon" (dedicated matrices) and "adamw" (the rest), each
-    with its hyperparameters from `config.groups()`; a group only where it has parameters."""
+    """The torch.optim param groups "muon" (dedicated matrices) and "adamw" (the rest), each
+    only where it has parameters."""
     muon, adamw = [], []
     for p in model.parameters():
         e = st.entry(p)
@@ -256,27 +250,3 @@ def _check_synchronized(model: nn.Module, st: DedicatedState, adamw: list[torch.
             "fully_shard on the model (over the data mesh) after dedicate_params, or "
             "dedicate_params(..., pure=True)"
         )
-
-
-def check_gather_in_step(st: DedicatedState, gather_in_step: bool) -> None:
-    if gather_in_step and st.replicate_group is not None:
-        raise ValueError(
-            "gather_in_step=True runs on a 1-D mesh; under HSDP each step's publish already "
-            "moves the new values in the background (replicate_async)"
-        )
-    if gather_in_step and st.scheduler.depth < 1:
-        raise ValueError(
-            "gather_in_step=True needs dedicate_params(..., prefetch >= 1): with prefetch 0 "
-            "every gather blocks where it is issued"
-        )
-
-
-def placeholder_state(
-    st: DedicatedState, kind: str, p: torch.Tensor, dtype: torch.dtype | None
-) -> dict[str, torch.Tensor]:
-    """`p`'s zero state in `dtype` (None: p's), 0-size where this rank does not update `p`, so
-    every rank's `state_dict()` has the same keys; the step count lives on p's device, so a
-    masked (skipped) step never syncs."""
-    dt = dtype or p.dtype
-    like = p if updates_here(st, p) else torch.empty(0, dtype=dt, device=p.device)
-    return state_items(init_state(kind, like, dt))

@@ -1,6 +1,6 @@
-"""The parts of `Muon.step()` beyond the per-parameter update: the gradient guard over the
-gradients this rank applies, the next forward's gathers issued from the step
-(`gather_in_step`), and the tensor-parallel exchange that orthogonalizes split matrices."""
+"""`Muon.step()` beyond the per-parameter update: the gradient guard over the gradients this rank
+applies, the next forward's gathers (`gather_in_step`), and the tensor-parallel exchange
+(proofs/step_notes.md, proofs/guard.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm._errors import phase
 from ..optim import _guard as guard
 from ..optim._config import Config
 from ..optim._update import MuonState, muon_momentum, state_from, state_items
@@ -22,28 +23,24 @@ Item = tuple[dict[str, Any], torch.Tensor]  # (param group, parameter)
 
 
 def updates_here(st: DedicatedState, p: torch.Tensor) -> bool:
-    """Whether this rank updates `p` at all: a dedicated parameter's global owner; every rank
-    for the rest (FSDP2 shards, plain parameters)."""
+    """Whether this rank updates `p`: a dedicated parameter's global owner; any rank otherwise."""
     e = st.entry(p)
     return e is None or st.is_global_owner(e)
 
 
 def steps_here(st: DedicatedState, p: torch.Tensor) -> bool:
-    """Whether this step updates `p` on this rank."""
+    """Whether this step updates `p` here. A dedicated parameter no gradient reached (a stale
+    grad kept by zero_grad(set_to_none=False)) is skipped on every rank, as by the publish."""
     if p.grad is None or not updates_here(st, p):
         return False
     e = st.entry(p)
-    # a dedicated parameter no gradient reached this step (a stale grad kept by
-    # zero_grad(set_to_none=False)) is skipped on every rank alike, as the publish does, so
-    # replicas never drift apart
     return e is None or e.touched
 
 
 class GradGuard:
-    """The step's gradient guard (optim/_guard.py, proofs/guard.md) over the gradients this rank
-    applies: the job's Σ‖g‖², taken once per step (one all-reduce), the clip, the skip/raise
-    decision and the counters (0-d device tensors: `skipped_steps` int64, `grad_norm` float32,
-    the last norm before clipping; reading them syncs)."""
+    """The guard over the gradients this rank applies: the job's Σ‖g‖² (one all-reduce per
+    step), clip, skip/raise, and the counters `skipped_steps` (int64) and `grad_norm` (float32,
+    the last norm before clipping), 0-d on device."""
 
     def __init__(self, model: nn.Module, st: DedicatedState, config: Config, groups: list) -> None:
         self.st, self.config, self.groups = st, config, groups
@@ -58,13 +55,12 @@ class GradGuard:
         self.clipped = False
 
     def held(self) -> list[tuple[str, torch.Tensor, bool]]:
-        """(name, local gradient, counts in the job-wide sum) for every gradient this rank
-        will apply; one copy of each value counts."""
+        """(name, local gradient, counted once in the job's sum) per gradient this rank applies."""
         out = []
         for group in self.groups:
             for p in group["params"]:
                 if not steps_here(self.st, p):
-                    continue  # (a stale gradient: step() skips it, so does the norm)
+                    continue
                 # the tensor ranks' equal copies count once, on tensor rank 0
                 copy = id(p) in self.copies and self.st.tensor.rank != 0
                 counted = fsdp.counted_here(p.grad) and not copy
@@ -72,19 +68,22 @@ class GradGuard:
         return out
 
     def global_sq(self) -> torch.Tensor:
-        """[Σ‖g‖² counting each value once, Σ‖g‖² over every local copy] over the job: the
-        first is the norm; the second is non-finite whenever any rank's copy is."""
+        """The job's [Σ‖g‖² counting each value once, Σ‖g‖² over every copy], float64."""
         if self._sq is None:
             held = self.held()
             sq = guard.squared_norms([g for _, g, _ in held], self.grad_norm.device)
+            # a sum of 0-d tensors: a host-built index or mask would be a blocking copy on CUDA
             once = [s for s, (_, _, counted) in zip(sq, held, strict=True) if counted]
-            both = torch.stack([guard.total(once, sq.device), sq.sum()])
-            self._sq = guard.all_reduce_sum(both, "step (global gradient norm)")
+            once = torch.stack(once).sum() if once else sq.new_zeros(())
+            self._sq = torch.stack([once, sq.sum()])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                with phase("step (global gradient norm)"):
+                    dist.all_reduce(self._sq, op=dist.ReduceOp.SUM)
         return self._sq
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Scale every held gradient by min(1, max_norm / ‖g‖); returns ‖g‖ (float32, 0-d)."""
-        self._sq = None  # the gradients may have changed since any earlier norm
+        self._sq = None  # the gradients may have changed since
         total = self.global_sq()[0].sqrt()
         self._scale(guard.clip_coefficient(total, max_norm))
         self.clipped = True
@@ -95,9 +94,8 @@ class GradGuard:
             g.mul_(coef.to(g.device, g.dtype))
 
     def check(self) -> torch.Tensor | None:
-        """The step's decision from the unclipped gradients: record the norm, raise
-        (nonfinite="raise"), clip (unless `clip` did), count a skip; returns the on-device
-        "gradients are finite" flag that masks every write (None: nothing is masked)."""
+        """Record the norm, raise (nonfinite="raise"), clip (unless `clip` did), count a skip;
+        returns the on-device finite flag that masks every write (None: unmasked)."""
         cfg = self.config
         if not cfg.guarded:
             return None
@@ -118,10 +116,9 @@ class GradGuard:
 
 
 def _tensor_copies(model: nn.Module, st: DedicatedState) -> set[int]:
-    """ids of the parameters every tensor-parallel rank holds an equal copy of: dedicated ones
-    tensor parallelism does not split, and the others whose mesh (if any) has none of the other
-    tensor ranks (e.g. an FSDP2 shard over the data mesh alone). Empty without tensor
-    parallelism."""
+    """ids of the parameters every tensor rank holds an equal copy of: dedicated ones TP does not
+    split, and others whose mesh (if any) has no other tensor rank (an FSDP2 shard over the
+    data mesh alone)."""
     tp = st.tensor
     if tp is None or tp.size == 1:
         return set()
@@ -135,22 +132,21 @@ def _tensor_copies(model: nn.Module, st: DedicatedState) -> set[int]:
 
 
 class NextForward:
-    """The next forward's gathers, issued from the step (`gather_in_step`): each recorded unit's
-    once this rank has updated its own parameters of it. Without it, issues nothing."""
+    """The next forward's gathers issued from the step (`gather_in_step`; else none): each
+    recorded unit's once this rank has updated its own parameters of it."""
 
     def __init__(self, st: DedicatedState, enabled: bool) -> None:
         self.sched, self.entry, self.issued = st.scheduler, st.entry, 0
         keep_all = not st.reshard_after_forward
-        plan = self.sched.next_forward_order(keep_all) if enabled else (0, {})
-        self.count, self.first = plan
+        self.count, self.first = self.sched.next_forward_order(keep_all) if enabled else (0, {})
 
     def unit(self, p: torch.Tensor) -> int:
         """The first unit whose gather must wait for `p`'s update (-1: none)."""
         return self.first.get(id(self.entry(p)), -1)
 
     def issue_before(self, p: torch.Tensor | None) -> None:
-        """Issue every unit's gathers before `p`'s unit (None: all the rest). Call it before each
-        update, in `unit` order, and once with None at the end."""
+        """Issue the gathers of every unit before `p`'s (None: all the rest); call it before each
+        update, in `unit` order, then with None."""
         until = self.count if p is None else self.unit(p)
         while self.issued < until:
             self.sched.gather_for_next_forward(self.issued)
@@ -165,8 +161,8 @@ def exchange_momenta(
     ok: torch.Tensor | None,
 ) -> TensorExchange:
     """Tensor parallelism: each split matrix's momentum step on every tensor rank of its owner
-    slot (state written, masked by `ok`), then its Newton-Schulz once, on its root tensor rank
-    (dmuon_fn/tp/_transfer.py). The caller applies `result(e)` and calls `finish()`."""
+    (state written, masked by `ok`), then its Newton-Schulz once, on its root tensor rank. The
+    caller applies `result(e)` and calls `finish()`."""
     ex = TensorExchange(config.ns)
     index = {id(e): i for i, e in enumerate(st.entries)}  # the same on every rank
     for group, p in items:
@@ -174,12 +170,8 @@ def exchange_momenta(
         if group["kind"] != "muon" or e is None or e.tp is None or not steps_here(st, p):
             continue
         s = state[p]
-        u, ms = muon_momentum(
-            p.grad,
-            state_from(MuonState, s),
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-        )
+        hyper = {k: group[k] for k in ("momentum", "nesterov")}
+        u, ms = muon_momentum(p.grad, state_from(MuonState, s), **hyper)
         for k, v in state_items(ms).items():
             guard.write(s[k], v, ok)
         ex.post(e, index[id(e)], u)

@@ -1,5 +1,5 @@
-"""The functional API's plan for one rank: who owns what, as plain hashable data (a compile-time
-constant of the step), below both the step (`_step.py`) and its Z3 stages (`_z3.py`)."""
+"""The functional API's plan: who owns what for one rank, as hashable data (a compile-time
+constant of the step in `_step.py` and `_z3.py`)."""
 
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ class FnPlan:
     reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
 
     def compute(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` (a held value, master or placeholder) as it is gathered: in `param_dtype`."""
+        """A held value (master or placeholder) as it is gathered: in `param_dtype`."""
         return t if self.param_dtype is None else t.to(self.param_dtype)
 
     def summed(self, g: torch.Tensor) -> torch.Tensor:
-        """A gradient `g` as it is reduced: in `reduce_dtype` (default `param_dtype`)."""
+        """A gradient as it is reduced: in `reduce_dtype` (default `param_dtype`)."""
         dt = self.reduce_dtype or self.param_dtype
         return g if dt is None else g.to(dt)
 
     def summary(self, gemm_flops: float | None = None) -> PlanSummary:
-        """Who owns what and each rank's Newton-Schulz share, as a table (`str`) and as data
-        (`.as_dict()`); with gemm_flops (FLOP/s) the busiest rank's seconds per step."""
+        """Who owns what and each rank's NS share (`str`: a table; `.as_dict()`); with
+        gemm_flops (FLOP/s), the busiest rank's seconds per step."""
         return plan_summary(self.partition, gemm_flops=gemm_flops)
 
     def __str__(self) -> str:
@@ -86,16 +86,11 @@ def plan(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> FnPlan:
-    """Plan ownership of every parameter of `model` (names in `named_parameters()` order).
-
-    mesh None: one process. predicate(name, param) selects the Muon matrices (default: every
-    parameter with 2+ dims); the rest take AdamW.
-    param_dtype / reduce_dtype: mixed precision, as `dedicate_params`: every parameter is
-    gathered and computed with in `param_dtype` (e.g. bf16) while its global owner keeps the
-    master in the model dtype promoted to at least fp32 (and the optimizer state in
-    `Config.state_dtype`); gradients are summed in `reduce_dtype` (default: param_dtype's).
-    None (default): the model dtype throughout, no separate master.
-    """
+    """Plan ownership of every parameter of `model` (`named_parameters()` order); mesh None: one
+    process. predicate(name, param) picks the Muon matrices (default: 2+ dims), the rest AdamW.
+    Mixed precision as `dedicate_params`: parameters gathered and computed with in `param_dtype`,
+    the global owner's master in the model dtype (at least fp32), gradients summed in
+    `reduce_dtype` (default param_dtype); None: the model dtype throughout, no master."""
     check_dtypes(param_dtype, reduce_dtype)
     named = list(model.named_parameters())
     if not named:
@@ -112,16 +107,14 @@ def plan(
     bad = [n for n in muon if dict(named)[n].ndim < 2]
     if bad:
         raise ValueError(f"{bad[0]} is not a matrix: the predicate must select 2+-dim params")
-    if mesh is None:
-        if replicate_mesh is not None:
-            raise ValueError("replicate_mesh needs a shard mesh too")
-        G, R, shard_rank, rep_rank, group, rep_group = 1, 1, 0, 0, "", ""
-    else:
+    if mesh is None and replicate_mesh is not None:
+        raise ValueError("replicate_mesh needs a shard mesh too")
+    if mesh is not None:
         check_meshes(mesh, replicate_mesh)
-        G, shard_rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name
-        R = 1 if replicate_mesh is None else replicate_mesh.size()
-        rep_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
-        rep_group = "" if replicate_mesh is None else replicate_mesh.get_group().group_name
+    (G, shard_rank, group), (R, rep_rank, rep_group) = (
+        (1, 0, "") if m is None else (m.size(), m.get_local_rank(), m.get_group().group_name)
+        for m in (mesh, replicate_mesh)
+    )
     shapes = {n: tuple(p.shape) for n, p in named}
     device = named[0][1].device
     # a job plans (and runs) rank 0's NS dispatch on every rank

@@ -1,22 +1,7 @@
 """The functional API: plan / init / value_and_grad / update, one whole step under
-torch.compile(fullgraph=True).
-
-    plan  = dmuon_fn.plan(model, mesh)                        # pure, from shapes
-    state = dmuon_fn.init(model, plan, dmuon_fn.Config())     # pytree of tensors
-    @torch.compile(fullgraph=True)
-    def train_step(state, batch, lr):
-        loss, grads = dmuon_fn.value_and_grad(loss_fn, plan)(state.params, batch)
-        return loss, dmuon_fn.update(grads, state, lr=lr)
-
-Every parameter is dedicated: matrices matched by `predicate` take Muon, the rest AdamW, each on
-its one global owner. `state.params[name]` is the full parameter on its local owners and a 0-size
-placeholder elsewhere; `value_and_grad` gathers every parameter before the differentiated loss
-(dmuon::owner_broadcast) and leaves the data-parallel mean gradient on the global owner, zeros
-shaped like the slot elsewhere (dmuon::two_stage_reduce). Under HSDP `update` publishes the new
-values to the other replicas' local owners. Who owns what is a Python constant of the plan, so
-each rank compiles its own graph once; lr, weight decay and step counts are 0-d tensors and never
-recompile (proofs/step_notes.md).
-"""
+torch.compile(fullgraph=True) (docs/functional.md). Every parameter is dedicated to one global
+owner; who owns what is a constant of the plan, so each rank compiles its graph once; lr, weight
+decay and step counts are 0-d tensors (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
@@ -36,11 +21,10 @@ from ._z3 import Stage, _flat, _gather, _reduce, staged_value_and_grad
 
 
 class State(NamedTuple):
-    """params: the master on each parameter's global owner (in the model dtype, or promoted to at
-    least fp32 under `plan(param_dtype=...)`), the `param_dtype` copy on the other replicas'
-    local owners, 0-size elsewhere. The counters, as the object API's: steps skipped for a
-    non-finite gradient (int64) and the last global gradient norm taken (float32), 0-d on every
-    rank; `update` maintains them when it takes the norm (None: not counted)."""
+    """params: the master on each parameter's global owner (model dtype, at least fp32 under
+    `param_dtype`), the `param_dtype` copy on other replicas' local owners, 0-size elsewhere.
+    skipped_steps (int64), grad_norm (float32): 0-d on every rank, as `Muon`'s; `update`
+    maintains them when it takes the norm (None: not counted)."""
 
     params: dict[str, torch.Tensor]
     opt: dict[str, MuonState | AdamWState]
@@ -51,8 +35,7 @@ class State(NamedTuple):
 
 
 def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
-    """Parameters and optimizer state for this rank: real where it owns, 0-size elsewhere (see
-    `State`)."""
+    """This rank's `State`: real where it owns, 0-size elsewhere."""
     config = config or Config()
     params, opt = {}, {}
     named = dict(model.named_parameters())
@@ -82,20 +65,13 @@ def value_and_grad(
     *,
     prefetch: int = 1,
 ) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """(params, batch) -> (this rank's loss, grads): loss_fn sees full parameters; each grad is
-    the data-parallel mean on the parameter's global owner, zeros shaped like the slot elsewhere.
+    """(params, batch) -> (this rank's loss, grads): each grad the data-parallel mean on the
+    parameter's global owner, zeros shaped like the slot elsewhere.
 
-    loss_fn(params, batch) -> loss (Z2-like): one gather of every parameter before the
-    differentiated function and one reduce after it (every gathered parameter lives for the whole
-    step; proofs/step_notes.md).
-
-    A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None for the first
-    stage, the loss from the last), runs Z3: each stage's parameters are gathered for its
-    forward, freed, and gathered again for its backward (dmuon_fn.functional._z3); the results
-    equal the Z2 form's to fp32 rounding. prefetch=1 (default): each stage's gathers and
-    reduces are issued one stage ahead and overlap its neighbour's computation (two adjacent
-    stages' copies at a time); 0: issued when needed, blocking (one stage at a time).
-    """
+    loss_fn(params, batch) -> loss sees every parameter in full (Z2: one gather before, one
+    reduce after). A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None
+    for the first, the loss from the last) runs Z3 (`_z3.py`), equal to Z2 to fp32 rounding:
+    prefetch=1 holds two adjacent stages' copies and overlaps, 0 one stage's, blocking."""
     if not callable(loss_fn):
         return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
@@ -116,16 +92,11 @@ def update(
     weight_decay: torch.Tensor | float | None = None,
     adamw_weight_decay: torch.Tensor | float | None = None,
 ) -> State:
-    """One optimizer step (pure): Muon or AdamW on the parameters this rank owns (on the
-    masters under mixed precision), then (HSDP) the publish to the other replicas, in
-    `param_dtype`. Each argument left None takes the Config's value (adamw_lr: Config.adamw_lr,
-    else lr).
-
-    With `Config.max_grad_norm` the gradients are first clipped by the global norm; with
-    `Config.nonfinite="skip"` (default) a non-finite gradient anywhere returns every parameter
-    and all optimizer state unchanged on every rank (masked on device), counted in
-    `State.skipped_steps`. Either costs one in-graph all-reduce of a float64 scalar per mesh
-    dimension (`global_grad_norm`) and records the norm in `State.grad_norm`."""
+    """One pure step: Muon or AdamW on the parameters this rank owns (the masters under mixed
+    precision), then (HSDP) the publish to the other replicas in `param_dtype`. Arguments left
+    None take `Config.groups()`'s; pass tensors to schedule without recompiling. The guard
+    (`Config.max_grad_norm`, `nonfinite`) costs one in-graph float64 all-reduce per mesh
+    dimension and updates the State's counters."""
     p_, cfg = state.plan, state.config
     check_nonfinite(cfg.nonfinite, host_sync=False)
     hyper = cfg.groups(
@@ -171,28 +142,22 @@ def update(
 
 
 def global_grad_norm(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
-    """‖all gradients‖ of the job (float64, 0-d, every rank), from `value_and_grad`'s grads:
-    each value lives on its global owner only (zeros elsewhere), so the sums over the shard and
-    replicate groups count each entry once (proofs/guard.md). In-graph, under compile too."""
+    """‖all gradients‖ of the job (float64, 0-d, every rank; in-graph) from `value_and_grad`'s
+    grads (proofs/guard.md)."""
     return _global_sq(grads, fn_plan).sqrt()
 
 
-def _global_sq(grads: dict[str, torch.Tensor], fn_plan: FnPlan) -> torch.Tensor:
-    """Σ‖g‖² over the trainable parameters (`update` leaves the rest as they are), every rank
-    issuing the same all-reduces whatever it owns."""
-    device = grads[fn_plan.names[0]].device
-    gs = [grads[n] for n in fn_plan.names if n in fn_plan.trainable]
-    sq = guard.squared_norms(gs, device).sum()
-    for size, group in (
-        (fn_plan.shard_size, fn_plan.group),
-        (fn_plan.replicate_size, fn_plan.rep_group),
-    ):
+def _global_sq(grads: dict[str, torch.Tensor], fp: FnPlan) -> torch.Tensor:
+    """Σ‖g‖² over the trainable parameters; every rank issues the same all-reduces."""
+    gs = [grads[n] for n in fp.names if n in fp.trainable]
+    sq = guard.squared_norms(gs, grads[fp.names[0]].device).sum()
+    for size, group in ((fp.shard_size, fp.group), (fp.replicate_size, fp.rep_group)):
         if size > 1:
             sq = funcol.all_reduce(sq, "sum", group)
     return sq
 
 
 def full_params(state: State) -> dict[str, torch.Tensor]:
-    """Every parameter's full value on every rank (for checks and export; one broadcast each)."""
+    """Every parameter's full value on every rank (for checks and export)."""
     with torch.no_grad():
         return _gather(state.params, state.plan.names, state.plan)[0]

@@ -1,18 +1,8 @@
-"""Z3 inside the compiled functional step: gather one stage's parameters at a time, free them
-after its forward, gather them again for its backward.
-
-    stages = [(names, fn), ...]    # fn(params, x, batch) -> x; the last stage returns the loss
-    loss, grads = dmuon_fn.value_and_grad(stages, plan)(state.params, batch)
-
-The differentiation is written out stage by stage with torch.func.vjp. Forward: stage i's
-parameters are broadcast from their owners, fn runs, only its input activation is kept.
-Backward, last stage first: broadcast again, recompute the stage under vjp, pull the cotangent
-through, reduce the parameter gradients onto their owners (the last stage is gathered once).
-Every gather and reduce is one dmuon op over one stage's parameters, chained so that every rank
-issues them in one order: prefetch=0 blocks in each op (a token chain; one stage's copy held at
-a time), prefetch=1 starts each one stage ahead and waits for it after the neighbour's compute
-(a ticket chain; two adjacent stages' copies). Why, and the orders: proofs/step_notes.md.
-"""
+"""Z3 inside the compiled functional step (docs/functional.md): each stage's parameters gathered
+for its forward, freed, and gathered again for its backward, differentiated stage by stage with
+torch.func.vjp. Every gather and reduce is one dmuon op over one stage's parameters, in one order
+on every rank (prefetch=0: a token chain, blocking; 1: a ticket chain, one stage ahead);
+proofs/step_notes.md."""
 
 from __future__ import annotations
 
@@ -34,10 +24,8 @@ def _flat(rows) -> list[int]:
     return [x for row in rows for x in row]
 
 
-def check_stages(
-    stages: Sequence[Stage], fn_plan: FnPlan
-) -> tuple[tuple[tuple[str, ...], StageFn], ...]:
-    """Each stage as (names, fn); every planned parameter in at least one stage."""
+def check_stages(stages: Sequence[Stage], fn_plan: FnPlan) -> tuple[Stage, ...]:
+    """Each stage as (names tuple, fn); every planned parameter in at least one stage."""
     if not stages:
         raise ValueError("stages is empty: pass [(names, fn), ...], the last returning the loss")
     out, seen = [], set()
@@ -63,8 +51,8 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _entries(rows, names, fn_plan, token):
-    """One op's per-entry arguments over `names`, whose shapes are `rows`: (flattened shapes,
-    ndims, flattened routes, extra inputs); a token adds a 0-size entry on a size-1 route."""
+    """(flat shapes, ndims, flat routes, extra inputs) of an op over `names` shaped `rows`; a
+    token adds a 0-size entry on a size-1 route."""
     routes = [fn_plan.route(n) for n in names]
     extra = []
     if token is not None:
@@ -73,7 +61,7 @@ def _entries(rows, names, fn_plan, token):
 
 
 def _local_rows(names, fn_plan) -> list[tuple[int, ...]]:
-    """Each parameter's reduced-gradient shape on this rank: its own on a local owner, else 0."""
+    """Each reduced gradient's shape here: the parameter's on a local owner, else (0,)."""
     return [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
 
 
@@ -83,9 +71,8 @@ def _by_name(names, outs, token):
 
 
 def _gather(params, names, fn_plan, token=None, after=None, start=False):
-    """Parameters `names` in full on every rank of the shard group, in one op; with a token the
-    op also consumes it and returns the next one (None without). start: the op only issues the
-    gathers and returns their ticket (dmuon::collective_wait redeems it)."""
+    """Parameters `names` in full on every shard rank, in one op: ({name: full}, next token or
+    None); start: only issue it and return its ticket (for dmuon::collective_wait)."""
     rows = [fn_plan.shape(n) for n in names]
     shapes, ndims, routes, extra = _entries(rows, names, fn_plan, token)
     op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
@@ -96,7 +83,7 @@ def _gather(params, names, fn_plan, token=None, after=None, start=False):
 
 def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
     """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
-    the local slot elsewhere, in one op; token and start as in `_gather`."""
+    the local slot elsewhere, in one op; token and start as `_gather`'s."""
     shapes, ndims, routes, extra = _entries(_local_rows(names, fn_plan), names, fn_plan, token)
     args = (
         [fn_plan.summed(grads[n]) for n in names] + extra,
@@ -120,17 +107,9 @@ def _vjp(fn: StageFn, full, x, batch):
     return torch.func.vjp(lambda f, a: fn(f, a, batch), full, x)
 
 
-def _last(fn: StageFn, full, x, batch):
-    """The last stage under vjp: (its 0-d loss, the pullback, the loss's cotangent, 1)."""
-    loss, pull = _vjp(fn, full, x, batch)
-    if loss.ndim != 0:
-        raise ValueError(f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}")
-    return loss, pull, torch.ones_like(loss)
-
-
 class _Blocking:
-    """prefetch=0: each stage's gather and reduce is one op, issued where its result is needed
-    and ordered by a token chain. `start_*` return handles; `gathered`/`reduced` their results."""
+    """prefetch=0: each gather and reduce one blocking op where its result is needed, ordered by
+    a token chain. `start_*` return handles, `gathered` / `reduced` their results."""
 
     def __init__(self, params, fn_plan: FnPlan) -> None:
         self.params, self.plan = params, fn_plan
@@ -153,7 +132,7 @@ class _Blocking:
 
 class _Overlapped:
     """prefetch=1: every gather and reduce started ahead, each start taking the previous start's
-    ticket (one chain on every rank) and each reduce's wait the previous wait's results."""
+    ticket and each reduce's wait the previous wait's results."""
 
     def __init__(self, params, fn_plan: FnPlan) -> None:
         self.params, self.plan = params, fn_plan
@@ -191,10 +170,8 @@ class _Overlapped:
 
 
 def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):
-    """(params, batch) -> (this rank's loss, grads), as value_and_grad, holding one stage's
-    gathered parameters at a time (two adjacent ones with prefetch=1, whose collectives then
-    overlap the stages' computation). A name may appear in several stages (tied weights): its
-    gradient is reduced after each and summed on the owner."""
+    """`value_and_grad` over stages. A name in several stages (tied weights) has its gradient
+    reduced after each and summed on the owner."""
     stages = check_stages(stages, fn_plan)
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch must be 0 or 1 (one stage ahead), got {prefetch!r}")
@@ -210,8 +187,13 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
                 xs.append(x)
                 x = fn(full, x, batch)
                 del full  # dead after the stage: the backward gathers it again
-        loss, pull, cot = _last(stages[-1][1], full, x, batch)
+        loss, pull = _vjp(stages[-1][1], full, x, batch)
         del full
+        if loss.ndim != 0:
+            raise ValueError(
+                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
+            )
+        cot = torch.ones_like(loss)
         ops.landed = [loss]
         grads: dict[str, torch.Tensor] = {}
         pending = None
@@ -238,6 +220,5 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
 
 
 def _add(grads: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
-    """Sum a stage's reduced gradients into `grads` (a name in several stages is summed)."""
     for n, g in reduced.items():
         grads[n] = grads[n] + g if n in grads else g

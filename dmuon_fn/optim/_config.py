@@ -1,6 +1,6 @@
-"""Config: the optimizer's hyperparameters, one set of names and one validation for both faces
-(`Muon` builds one from its arguments; the functional API takes one). Param groups name some
-fields differently: `groups()` is the one translation (proofs/step_notes.md)."""
+"""Config: the hyperparameters of both faces, validated once (`Muon` builds one from its
+arguments; the functional API takes one). `groups()` names them as param groups do
+(proofs/step_notes.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..ns._orthogonalize import NSConfig
 from ..planning._check import check_setup_consistent, kernel_field
 from ._guard import NONFINITE, check_max_norm
 
-# Each param-group kind's keys, as the Config fields they come from.
+# Each param-group kind's keys -> the Config fields they come from.
 GROUP_FIELDS: dict[str, dict[str, str]] = {
     "muon": {k: k for k in ("lr", "momentum", "weight_decay", "nesterov")},
     "adamw": {k: f"adamw_{k}" for k in ("lr", "betas", "eps", "weight_decay")},
@@ -26,15 +26,11 @@ _NON_NEGATIVE = ("lr", "adamw_lr", "momentum", "weight_decay", "adamw_eps", "ada
 
 @dataclass(frozen=True)
 class Config:
-    """Hyperparameters. `lr` and `adamw_lr` (None: `lr`) are the defaults of the functional
-    `update`'s per-step arguments (pass them there as tensors to schedule without recompiling).
-
-    nonfinite: "skip" (a non-finite gradient anywhere leaves every parameter and all state
-    unchanged on every rank, masked on device, no host sync), "ignore" (no norm is taken unless
-    clipping), or "raise" (one host sync; only where the step may sync: `host_sync=True`, as
-    `Muon` builds its Config). max_grad_norm: clip every gradient by the global norm (None: no
-    clipping). state_dtype None: the parameter's dtype.
-    """
+    """Hyperparameters. `lr`, `adamw_lr` (None: lr) and the weight decays are the defaults of
+    the functional `update`'s per-step arguments. max_grad_norm: clip by the global norm (None:
+    no clipping). nonfinite: "skip" (a non-finite gradient anywhere leaves every parameter and
+    state unchanged on every rank, masked on device), "ignore", or "raise" (a host sync: only
+    with `host_sync=True`, as `Muon` builds it). state_dtype None: the parameter's."""
 
     momentum: float = 0.95
     nesterov: bool = True
@@ -75,10 +71,8 @@ class Config:
         weight_decay: float | Tensor | None = None,
         adamw_weight_decay: float | Tensor | None = None,
     ) -> dict[str, dict[str, Any]]:
-        """{"muon": {lr, momentum, weight_decay, nesterov}, "adamw": {lr, betas, eps,
-        weight_decay}}: the hyperparameters as param groups name them. A per-step value given
-        (a float or a 0-d tensor) replaces the Config's; adamw_lr falls back to the Config's,
-        then to lr."""
+        """{kind: {key: value}} as param groups name them (GROUP_FIELDS); a value given (float
+        or 0-d tensor) replaces the Config's; adamw_lr None: the Config's, else lr."""
         values = {f: getattr(self, f) for fields in GROUP_FIELDS.values() for f in fields.values()}
         given = {"lr": lr, "adamw_lr": adamw_lr, "weight_decay": weight_decay}
         given["adamw_weight_decay"] = adamw_weight_decay
@@ -90,8 +84,7 @@ class Config:
         }
 
     def with_groups(self, groups: dict[str, dict[str, Any]]) -> Config:
-        """This Config with the hyperparameters in `groups` (as `groups()` names them; keys it
-        does not name are ignored)."""
+        """The inverse of `groups()`: this Config with `groups`' values (unknown keys ignored)."""
         fields = [(GROUP_FIELDS[kind], g) for kind, g in groups.items()]
         values = {f[k]: v for f, g in fields for k, v in g.items() if k in f}
         return dataclasses.replace(self, **values)
@@ -99,9 +92,8 @@ class Config:
     def check_setup(
         self, device: torch.device, *, across_ranks: bool = True, **fields: str
     ) -> None:
-        """Raise the Newton-Schulz kernel's error if this rank cannot run it; with across_ranks
-        (collective over the default group), first raise `PlanMismatchError` on every rank
-        unless all resolve the same kernel and dispatch and hold the same Config and `fields`."""
+        """Raise if this rank cannot run the NS kernel; with across_ranks (collective), first
+        `PlanMismatchError` on every rank unless all agree on kernel, dispatch, Config, `fields`."""
         kernel, error = kernel_field(self.ns.kernel, device)
         if across_ranks:
             setup = {"NS kernel": kernel, "NS dispatch": setup_field(device)}
@@ -113,7 +105,6 @@ class Config:
 
 
 def check_nonfinite(mode: str, host_sync: bool) -> None:
-    """`mode` must be one of NONFINITE; "raise" only where the step may sync with the host."""
     if mode not in NONFINITE:
         raise ValueError(f"Config.nonfinite must be one of {NONFINITE}, got {mode!r}")
     if mode == "raise" and not host_sync:

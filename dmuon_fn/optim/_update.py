@@ -1,17 +1,11 @@
-"""Pure Muon and AdamW updates over tensors: (param, grad, state) -> (new param, new state).
+"""Pure Muon and AdamW updates: (param, grad, state) -> (new param, new state), nothing mutated.
+lr and weight decay may be 0-d tensors, so a compiled step never recompiles for a schedule.
 
-Nothing is mutated. Per-step values (lr, weight decay, the step count in AdamW's state) may be
-0-d tensors, so a compiled step never recompiles as a schedule changes them.
-
-Muon, per matrix W (m×n after flattening trailing dims), gradient g (DESIGN.md, "The math"):
-    buf ← μ·buf + g                       (first step: buf = g, since buf starts at zero)
-    u   ← g + μ·buf  if nesterov else buf
-    O   ← orthogonalize(u)
-    W   ← W·(1 − lr·wd) − lr·scale(m, n)·O
-with scale "match_rms_adamw" = 0.2·sqrt(max(m, n)) (default) or "original" = sqrt(max(1, m/n)).
-
-AdamW (decoupled weight decay, as torch.optim.AdamW):
-    t ← t + 1;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²
+Muon, per matrix W (m×n, trailing dims flattened), gradient g (DESIGN.md, "The math"):
+    buf ← μ·buf + g;  u ← g + μ·buf if nesterov else buf;  O ← orthogonalize(u)
+    W ← W·(1 − lr·wd) − lr·scale(m, n)·O,  scale "match_rms_adamw" = 0.2·sqrt(max(m, n))
+    (default) or "original" = sqrt(max(1, m/n))
+AdamW (as torch.optim.AdamW): t ← t + 1;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²
     W ← W·(1 − lr·wd) − lr/(1−β₁ᵗ) · m / (sqrt(v)/sqrt(1−β₂ᵗ) + eps)
 """
 
@@ -32,11 +26,8 @@ _SCALES = ("match_rms_adamw", "original")
 
 
 def on_device(x: Scalar, device: torch.device) -> Scalar:
-    """A tensor hyperparameter moved to the parameter's device (floats stay floats), so that a
-    compiled step's scalar arithmetic runs there (pytorch/pytorch#121374, proofs/step_notes.md)."""
-    if isinstance(x, Tensor) and x.device != device:
-        return x.to(device)
-    return x
+    """A tensor hyperparameter on `device` (floats stay floats; proofs/step_notes.md)."""
+    return x.to(device) if isinstance(x, Tensor) and x.device != device else x
 
 
 class MuonState(NamedTuple):
@@ -49,25 +40,18 @@ class AdamWState(NamedTuple):
     exp_avg_sq: Tensor
 
 
-# The optimizer state's names in a state dict (the object API's `optimizer.state[p]`, and both
-# faces' checkpoints), per field of the pure states, in field order.
-STATE_KEYS: dict[type, tuple[str, ...]] = {
-    MuonState: ("momentum_buffer",),
-    AdamWState: AdamWState._fields,
-}
-
-
-# A param group's kind -> its pure state.
+# Each pure state's fields as a state dict names them (`optimizer.state[p]`, checkpoints).
+STATE_KEYS = {MuonState: ("momentum_buffer",), AdamWState: AdamWState._fields}
 KINDS: dict[str, type] = {"muon": MuonState, "adamw": AdamWState}
 
 
 def state_items(state: MuonState | AdamWState) -> dict[str, Tensor]:
-    """A pure state as a state dict's entries ({"momentum_buffer": ...} for Muon)."""
+    """A pure state as state dict entries ({"momentum_buffer": ...} for Muon)."""
     return dict(zip(STATE_KEYS[type(state)], state, strict=True))
 
 
 def state_from(kind: type, items: dict[str, Tensor]) -> MuonState | AdamWState:
-    """The pure state of `kind` (MuonState or AdamWState) from a state dict's entries."""
+    """The pure state of type `kind` from state dict entries."""
     return kind(*(items[k] for k in STATE_KEYS[kind]))
 
 
@@ -86,16 +70,6 @@ def muon_init(param: Tensor, *, dtype: torch.dtype | None = None) -> MuonState:
     return MuonState(torch.zeros_like(param, dtype=dtype or param.dtype))
 
 
-def _check_matrix(param: Tensor, grad: Tensor) -> None:
-    if param.dim() < 2:
-        raise ValueError(
-            f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
-            f"{param.dim()}-D parameter of shape {tuple(param.shape)}: use adamw_update for it"
-        )
-    if grad.shape != param.shape:
-        raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
-
-
 def muon_update(
     param: Tensor,
     grad: Tensor,
@@ -108,8 +82,14 @@ def muon_update(
     adjust_lr: str = "match_rms_adamw",
     ns: NSConfig = NSConfig(),  # noqa: B008  (frozen, immutable)
 ) -> tuple[Tensor, MuonState]:
-    """One Muon step for one matrix parameter. Returns (new param, new state)."""
-    _check_matrix(param, grad)
+    """One Muon step for one matrix parameter: (new param, new state)."""
+    if param.dim() < 2:
+        raise ValueError(
+            f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
+            f"{param.dim()}-D parameter of shape {tuple(param.shape)}: use adamw_update for it"
+        )
+    if grad.shape != param.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
     u, new_state = muon_momentum(grad, state, momentum=momentum, nesterov=nesterov)
     # With Nesterov, u is a temporary: orthogonalize may normalize in its buffer and return it.
     O = orthogonalize_with(u.reshape(u.shape[0], -1), ns, overwrite=nesterov)
@@ -122,8 +102,7 @@ def muon_update(
 def muon_momentum(
     grad: Tensor, state: MuonState, *, momentum: float = 0.95, nesterov: bool = True
 ) -> tuple[Tensor, MuonState]:
-    """Muon's elementwise half before Newton-Schulz: (u, new state), u the matrix to
-    orthogonalize. Elementwise, so it runs on any shard of the parameter alike."""
+    """Muon's elementwise half, on any shard alike: (u to orthogonalize, new state)."""
     buf = state.momentum
     g = grad.to(buf.dtype)
     buf = torch.add(g, buf, alpha=momentum)
@@ -140,9 +119,8 @@ def muon_apply(
     adjust_lr: str = "match_rms_adamw",
     shape: torch.Size | tuple[int, ...] | None = None,
 ) -> Tensor:
-    """W·(1 − lr·wd) − lr·scale(shape)·O for the orthogonalized update O (param's shape; may be
-    overwritten). shape: the whole matrix's, when param and O are shards of it (default:
-    param's)."""
+    """W·(1 − lr·wd) − lr·scale(shape)·O; O has param's shape and may be overwritten. shape:
+    the whole matrix's when param and O are shards of it (default: param's)."""
     lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
     O = O.to(param.dtype)
     step = lr * lr_scale(param.shape if shape is None else shape, adjust_lr)
@@ -173,7 +151,7 @@ def adamw_update(
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
 ) -> tuple[Tensor, AdamWState]:
-    """One AdamW step for any parameter. Returns (new param, new state)."""
+    """One AdamW step for any parameter: (new param, new state)."""
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
     lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
@@ -204,8 +182,8 @@ def param_update(
     adjust_lr: str,
     ns: NSConfig,
 ) -> tuple[Tensor, MuonState | AdamWState]:
-    """One parameter's step, by its param group's `kind` and hyperparameters (`group`, keyed as
-    `Config.groups()` names them; lr and weight_decay may be 0-d tensors). Both faces' step."""
+    """One parameter's step (both faces'): `group` holds its kind's hyperparameters as
+    `Config.groups()` names them (lr and weight_decay may be 0-d tensors)."""
     if kind == "muon":
         hyper = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov")}
         return muon_update(param, grad, state, **hyper, adjust_lr=adjust_lr, ns=ns)
