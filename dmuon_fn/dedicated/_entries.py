@@ -19,16 +19,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from custom_ops._collectives import broadcast_start as issue_broadcast
+
 from ..comm._counters import blocked
 from ..comm._errors import phase
 from ..planning._view import RankView
 from ..tp._layout import TensorLayout
 
 
-def broadcast_start(t: torch.Tensor, src: int, group: dist.ProcessGroup, what: str) -> dist.Work:
-    """Issue the broadcast of `t` from `src` (a rank of `group`); a failure names `what`."""
+def broadcast_start(t: Tensor, src: int, group: dist.ProcessGroup, what: str) -> dist.Work | None:
+    """custom_ops' broadcast of `t` from group rank `src`, in place (None on a group of one); a
+    failure names `what`."""
     with phase(what):
-        return dist.broadcast(t, src=dist.get_global_rank(group, src), group=group, async_op=True)
+        return issue_broadcast(t, src, group, dist.get_world_size(group))
 
 
 def wait_work(work: dist.Work, what: str) -> None:
