@@ -103,11 +103,12 @@ class Topology:
     shard_size = property(lambda self: self.view.plan.shard_size)
     replicate_size = property(lambda self: self.view.plan.replicate_size)
 
+    # an entry's owner was read from this view when it was made: compare, no plan lookup
     def is_local_owner(self, e: Entry) -> bool:
-        return self.view.is_local_owner(e.name)
+        return e.owner_shard == self.view.shard_rank
 
     def is_global_owner(self, e: Entry) -> bool:
-        return self.view.is_global_owner(e.name)
+        return e.owner_shard == self.view.shard_rank and e.owner_replica == self.view.replica_rank
 
 
 class Group:

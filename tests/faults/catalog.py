@@ -215,9 +215,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "a plan that gives one matrix two owners",
         "dmuon_fn/dedicated/_entries.py",
-        "return self.view.is_global_owner(e.name)",
-        "return self.view.is_global_owner(e.name) or ('gate_proj' in e.name"
-        " and self.view.replica_rank == e.owner_replica)",
+        "return e.owner_shard == self.view.shard_rank and e.owner_replica =="
+        " self.view.replica_rank",
+        "return (e.owner_shard == self.view.shard_rank or 'gate_proj' in e.name)"
+        " and e.owner_replica == self.view.replica_rank",
         (DIST2,),
     ),
     Fault(
