@@ -160,14 +160,10 @@ class TriangleSyrk:
         # the output tile reuses the operand buffers once the main loop is done
         sD = cute.make_tensor(cute.recast_ptr(sP.iterator, dtype=self.dtype), sD_layout)
 
-        thr_P = copy_P.get_slice(tidx)
-        thr_Q = copy_Q.get_slice(tidx)
-        tPgP = thr_P.partition_S(gP)
-        tPsP = thr_P.partition_D(sP)
-        tQgQ = thr_Q.partition_S(gQ)
-        tQsQ = thr_Q.partition_D(sQ)
-        tPcP = thr_P.partition_S(cP)
-        tQcQ = thr_Q.partition_S(cQ)
+        thr_P, thr_Q = copy_P.get_slice(tidx), copy_Q.get_slice(tidx)
+        tPgP, tPsP = thr_P.partition_S(gP), thr_P.partition_D(sP)
+        tQgQ, tQsQ = thr_Q.partition_S(gQ), thr_Q.partition_D(sQ)
+        tPcP, tQcQ = thr_P.partition_S(cP), thr_Q.partition_S(cQ)
 
         # row predicates (rows >= n read nothing), one per copy atom, broadcast over k
         tPpP = _tiles.row_predicate(tPgP, tPcP, n)
@@ -216,12 +212,9 @@ class TriangleSyrk:
             ),
             tiled_mma,
         )
-        thr_s2r_P = s2r_P.get_slice(tidx)
-        thr_s2r_Q = s2r_Q.get_slice(tidx)
-        tCsP_v = thr_s2r_P.partition_S(sP)
-        tCrP_v = thr_s2r_P.retile(tCrP)
-        tCsQ_v = thr_s2r_Q.partition_S(sQ)
-        tCrQ_v = thr_s2r_Q.retile(tCrQ)
+        thr_s2r_P, thr_s2r_Q = s2r_P.get_slice(tidx), s2r_Q.get_slice(tidx)
+        tCsP_v, tCrP_v = thr_s2r_P.partition_S(sP), thr_s2r_P.retile(tCrP)
+        tCsQ_v, tCrQ_v = thr_s2r_Q.partition_S(sQ), thr_s2r_Q.retile(tCrQ)
 
         pipe_read = Int32(0)
         pipe_write = Int32(stages - 1)
