@@ -63,10 +63,8 @@ class TriangleSyrk:
         nk = cute.assume(Int64(n) * Int64(k), divby=64)
         nn = cute.assume(Int64(n) * Int64(n), divby=64)
         mP = cute.make_tensor(pP, cute.make_layout((n, k, batch), stride=(k, 1, nk)))
-        if cutlass.const_expr(self.q_major == LayoutEnum.ROW_MAJOR):
-            mQ = cute.make_tensor(pQ, cute.make_layout((n, k, batch), stride=(k, 1, nk)))
-        else:
-            mQ = cute.make_tensor(pQ, cute.make_layout((n, k, batch), stride=(1, n, nk)))
+        q_stride = (k, 1, nk) if self.q_major == LayoutEnum.ROW_MAJOR else (1, n, nk)
+        mQ = cute.make_tensor(pQ, cute.make_layout((n, k, batch), stride=q_stride))
         mC = cute.make_tensor(pC, cute.make_layout((n, n, batch), stride=(n, 1, nn)))
         mD = cute.make_tensor(pD, cute.make_layout((n, n, batch), stride=(n, 1, nn)))
         # D transposed: tile (i, j) of mDt is the mirror image of tile (i, j) of D
@@ -138,10 +136,8 @@ class TriangleSyrk:
         gP = cute.local_tile(mP[None, None, bidz], self.cta_tiler, coord, proj=(1, None, 1))
         gQ = cute.local_tile(mQ[None, None, bidz], self.cta_tiler, coord, proj=(None, 1, 1))
         residual_k = cute.size(mP, mode=[1]) - Int32(self.bK) * cute.size(gP, mode=[2])
-        gP = cute.domain_offset((0, residual_k, 0), gP)
-        gQ = cute.domain_offset((0, residual_k, 0), gQ)
-        gP = cute.make_tensor(gP.iterator.align(16), gP.layout)
-        gQ = cute.make_tensor(gQ.iterator.align(16), gQ.layout)
+        gP, gQ = (cute.domain_offset((0, residual_k, 0), g) for g in (gP, gQ))
+        gP, gQ = (cute.make_tensor(g.iterator.align(16), g.layout) for g in (gP, gQ))
         # coordinate tensors (for predicates only)
         cP = cute.local_tile(
             cute.make_identity_tensor(mP.layout.shape)[None, None, bidz],
@@ -151,8 +147,7 @@ class TriangleSyrk:
             cute.make_identity_tensor(mQ.layout.shape)[None, None, bidz],
             self.cta_tiler, coord, proj=(None, 1, 1),
         )  # fmt: skip
-        cP = cute.domain_offset((0, residual_k, 0), cP)
-        cQ = cute.domain_offset((0, residual_k, 0), cQ)
+        cP, cQ = (cute.domain_offset((0, residual_k, 0), c) for c in (cP, cQ))
 
         smem = SmemAllocator()
         sP = smem.allocate_tensor(self.dtype, sP_layout, 16)
@@ -166,8 +161,7 @@ class TriangleSyrk:
         tPcP, tQcQ = thr_P.partition_S(cP), thr_Q.partition_S(cQ)
 
         # row predicates (rows >= n read nothing), one per copy atom, broadcast over k
-        tPpP = _tiles.row_predicate(tPgP, tPcP, n)
-        tQpQ = _tiles.row_predicate(tQgQ, tQcQ, n)
+        tPpP, tQpQ = _tiles.row_predicate(tPgP, tPcP, n), _tiles.row_predicate(tQgQ, tQcQ, n)
 
         # ---- prologue: zero the stages, then prefetch stages - 1 slabs ----
         tPsP.fill(0)
@@ -216,10 +210,8 @@ class TriangleSyrk:
         tCsP_v, tCrP_v = thr_s2r_P.partition_S(sP), thr_s2r_P.retile(tCrP)
         tCsQ_v, tCrQ_v = thr_s2r_Q.partition_S(sQ), thr_s2r_Q.retile(tCrQ)
 
-        pipe_read = Int32(0)
-        pipe_write = Int32(stages - 1)
-        tCsP_p = tCsP_v[None, None, None, pipe_read]
-        tCsQ_p = tCsQ_v[None, None, None, pipe_read]
+        pipe_read, pipe_write = Int32(0), Int32(stages - 1)
+        tCsP_p, tCsQ_p = tCsP_v[None, None, None, pipe_read], tCsQ_v[None, None, None, pipe_read]
         k_blocks = cute.size(tCrP, mode=[2])
         if cutlass.const_expr(k_blocks > 1):
             cute.arch.cp_async_wait_group(self.cfg.stages - 2)
