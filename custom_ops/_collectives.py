@@ -1,7 +1,8 @@
 """c10d collectives behind the communication ops and dmuon_fn's object API, and `define_async`,
 the one way an op that issues collectives is defined. Groups are a ProcessGroup or its name (ops
-carry the name); a group of size 1 returns at once without torch.distributed. Rationale:
-proofs/custom_ops_notes.md, "Communication ops".
+carry the name); a group of size 1 returns at once without torch.distributed. A ticket, what a
+dmuon::*_start op hands to dmuon::collective_wait, is a (1,) int64 CPU tensor whose value keys
+the collectives' `finish`. Rationale: proofs/custom_ops_notes.md, "Communication ops".
 """
 
 from __future__ import annotations
@@ -13,11 +14,32 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _tickets
 from ._registry import OpSpec, Sample, register_op
 
 Group = dist.ProcessGroup | str
 Finish = Callable[[], list[Tensor]]  # what `issue` returns: waits, returns the results
+_PENDING: dict[int, tuple[Finish, bool]] = {}
+_NEXT_TICKET = itertools.count(1)
+
+
+def issue_ticket(finish: Finish, *, once: bool = True) -> Tensor:
+    """Register `finish`; return its ticket. once=False: redeemable again and again (`finish`
+    must then be repeatable)."""
+    key = next(_NEXT_TICKET)
+    _PENDING[key] = (finish, once)
+    with torch.profiler.record_function("dmuon::ticket"):  # its own label: not a gathered copy
+        return torch.tensor([key], dtype=torch.int64, device="cpu")
+
+
+def redeem(ticket: Tensor) -> list[Tensor]:
+    """The results of the collectives behind `ticket` (waits for them)."""
+    key = int(ticket.item())
+    if key not in _PENDING:
+        raise RuntimeError(f"dmuon: ticket {key} was already redeemed or never issued")
+    finish, once = _PENDING[key]
+    if once:
+        del _PENDING[key]
+    return finish()
 
 
 def _group(group: Group) -> dist.ProcessGroup:
@@ -133,9 +155,11 @@ def define_async(
     define_collective(start, f"({start_args or args}) -> Tensor")
     impl = "CompositeExplicitAutograd"
     torch.library.impl(blocking, impl)(lambda *a, **kw: issue(*a, **kw)())
-    torch.library.impl(start, impl)(lambda *a, **kw: _tickets.issue(issue(*a, **kw)))
+    torch.library.impl(start, impl)(lambda *a, **kw: issue_ticket(issue(*a, **kw)))
     torch.library.register_fake(blocking)(fake)
-    torch.library.register_fake(start)(lambda *a, **kw: _tickets.fake_ticket())
+    torch.library.register_fake(start)(
+        lambda *a, **kw: torch.empty(1, dtype=torch.int64, device="cpu")
+    )
     register_op(OpSpec(blocking, getattr(torch.ops.dmuon, name), samples, False))
     op = getattr(torch.ops.dmuon, f"{name}_start")
     register_op(OpSpec(start, op, samples, False, ticket=True))

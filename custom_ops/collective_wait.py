@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _tickets
-from ._collectives import define_collective, new_empty, split_shapes
+from ._collectives import define_collective, issue_ticket, new_empty, redeem, split_shapes
 from ._registry import OpSpec, register_op
 
 define_collective(
@@ -30,7 +29,7 @@ def collective_wait(
     ndims: list[int],
     after: list[Tensor] | None = None,
 ) -> list[Tensor]:
-    out = _tickets.redeem(ticket)
+    out = redeem(ticket)
     for t, ref, shape in zip(out, like, split_shapes(shapes, ndims), strict=True):
         if list(t.shape) != shape or t.dtype != ref.dtype or t.device != ref.device:
             raise RuntimeError(
@@ -48,7 +47,7 @@ def _(ticket, like, shapes, ndims, after=None):
 def _samples():
     g = torch.Generator().manual_seed(9)
     a, b = torch.randn(6, 4, generator=g), torch.randn(3, generator=g)
-    ticket = _tickets.issue(lambda: [a.clone(), b.clone()], once=False)  # as a start op's
+    ticket = issue_ticket(lambda: [a.clone(), b.clone()], once=False)  # as a start op's
     yield (ticket, [a.new_empty(0), b.new_empty(0)], [6, 4, 3], [2, 1]), {}
 
 

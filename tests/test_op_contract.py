@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 import custom_ops
-from custom_ops import _tickets
+from custom_ops import _collectives
 
 SPECS = custom_ops.registered_ops()
 CASES = [
@@ -33,7 +33,7 @@ def _flat(out, spec=None):
     if out is None:
         return []
     if spec is not None and spec.ticket:
-        return _tickets.redeem(out)
+        return _collectives.redeem(out)
     return list(out) if isinstance(out, tuple | list) else [out]
 
 

@@ -39,7 +39,7 @@ SCRATCH = "memory probe scratch"
 def _allocations(roots):
     """(time, ptr, bytes, region) for every allocation event (frees negative); region is
     SCRATCH, "gather" (one of GATHER_OPS) or None, the innermost the event happened in (a
-    ticket of custom_ops._tickets, made inside a gather op, counts in the total only)."""
+    ticket of custom_ops._collectives, made inside a gather op, counts in the total only)."""
     out, stack = [], [(r, None) for r in roots]
     while stack:
         node, region = stack.pop()
