@@ -19,7 +19,7 @@ Sample = tuple[tuple[Any, ...], dict[str, Any]]
 class OpSpec:
     """name: "dmuon::<op>"; op: its `torch.ops.dmuon` packet; samples: fresh (args, kwargs)
     pairs on every call; differentiable: whether autograd is registered; ticket: the op returns
-    a ticket (custom_ops._tickets), new on every call, its results what redeeming it gives."""
+    a ticket (custom_ops._collectives), new on every call, its results what redeeming it gives."""
 
     name: str
     op: Callable[..., Any]
@@ -41,6 +41,13 @@ def register_op(spec: OpSpec) -> OpSpec:
 def registered_ops() -> list[OpSpec]:
     """All registered ops, sorted by name."""
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def check_like(op: str, name: str, t: Tensor | None, shape, dtype=None) -> None:
+    """ValueError unless `t` is None or has `shape` (and `dtype`, when given)."""
+    if t is not None and (t.shape != tuple(shape) or dtype not in (None, t.dtype)):
+        want = f"{tuple(shape)} {dtype}" if dtype else f"shape {tuple(shape)}"
+        raise ValueError(f"{op}: {name} must be {want}, got {tuple(t.shape)} {t.dtype}")
 
 
 def register_batched_vmap(op, tensors: int, out_dims: Any) -> None:

@@ -16,17 +16,13 @@ import torch
 from torch import Tensor
 
 from ._kernels import resolve_kernel
-from ._registry import OpSpec, register_batched_vmap, register_op
+from ._registry import OpSpec, check_like, register_batched_vmap, register_op
 
 
 def _check(R: Tensor, Qz: Tensor | None) -> None:
     if R.dim() < 2 or R.shape[-2] != R.shape[-1]:
         raise ValueError(f"gram_ns_step: R must be (..., n, n), got {tuple(R.shape)}")
-    if Qz is not None and (Qz.shape != R.shape or Qz.dtype != R.dtype):
-        raise ValueError(
-            f"gram_ns_step: Qz must match R ({tuple(R.shape)} {R.dtype}), "
-            f"got {tuple(Qz.shape)} {Qz.dtype}"
-        )
+    check_like("gram_ns_step", "Qz", Qz, R.shape, R.dtype)
 
 
 @torch.library.custom_op("dmuon::gram_ns_step", mutates_args=())

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._lpt import SPREAD_TOLERANCE, schedule
-from ._registry import OpSpec, register_op
+from ._registry import OpSpec, check_like, register_op
 
 
 def _check(costs: Tensor, groups: Tensor | None, nbytes: Tensor | None) -> None:
@@ -22,15 +22,8 @@ def _check(costs: Tensor, groups: Tensor | None, nbytes: Tensor | None) -> None:
             f"lpt_partition: costs must be a 1-D real tensor, got {tuple(costs.shape)} "
             f"{costs.dtype}"
         )
-    if groups is not None and (groups.shape != costs.shape or groups.dtype != torch.int64):
-        raise ValueError(
-            f"lpt_partition: groups must be int64 of shape {tuple(costs.shape)}, "
-            f"got {tuple(groups.shape)} {groups.dtype}"
-        )
-    if nbytes is not None and nbytes.shape != costs.shape:
-        raise ValueError(
-            f"lpt_partition: nbytes must have shape {tuple(costs.shape)}, got {tuple(nbytes.shape)}"
-        )
+    check_like("lpt_partition", "groups", groups, costs.shape, torch.int64)
+    check_like("lpt_partition", "nbytes", nbytes, costs.shape)
 
 
 @torch.library.custom_op("dmuon::lpt_partition", mutates_args=())

@@ -11,18 +11,13 @@ import torch
 from torch import Tensor
 
 from ._kernels import resolve_kernel
-from ._registry import OpSpec, register_batched_vmap, register_op
+from ._registry import OpSpec, check_like, register_batched_vmap, register_op
 
 
 def _check(A: Tensor, C: Tensor | None) -> None:
     if A.dim() < 2:
         raise ValueError(f"syrk: A must have at least 2 dims, got shape {tuple(A.shape)}")
-    if C is not None:
-        n = A.shape[-2]
-        if C.shape != (*A.shape[:-2], n, n) or C.dtype != A.dtype:
-            raise ValueError(
-                f"syrk: C must be {(*A.shape[:-2], n, n)} {A.dtype}, got {tuple(C.shape)} {C.dtype}"
-            )
+    check_like("syrk", "C", C, (*A.shape[:-2], A.shape[-2], A.shape[-2]), A.dtype)
 
 
 @torch.library.custom_op("dmuon::syrk", mutates_args=())
