@@ -18,21 +18,11 @@ import torch
 from torch import Tensor
 
 from . import cute, quack
+from ._cuda import tensor_core
 from .cpu import cpu_blocked, cpu_strips, full_mm
 
 ENV_VAR = "DMUON_NS_KERNEL"
 SymMM = Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
-
-
-def _tensor_core(triangle: SymMM) -> SymMM:
-    """`triangle` for fp16/bf16 operands; other dtypes, empty shapes and alpha = 0: `full_mm`."""
-
-    def sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-        if A.dtype in (torch.float16, torch.bfloat16) and A.numel() > 0 and alpha != 0.0:
-            return triangle(A, B, C, alpha, beta)
-        return full_mm(A, B, C, alpha, beta)
-
-    return sym_mm
 
 
 @dataclass(frozen=True)
@@ -58,9 +48,9 @@ def _on(*types: str) -> Callable[[torch.device], tuple[bool, str]]:
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("cpu_syrk", ("cpu",), "blocked lower-triangle GEMM strips", cpu_blocked, _on("cpu")),
     Kernel("quack", ("cuda",), "quack gemm_symmetric triangle SYRK; fp32/fp64 via cuBLAS",
-           _tensor_core(quack.sym_mm), quack.available),
+           tensor_core(quack.triangle), quack.available),
     Kernel("cute_sm80", ("cuda",), "CuTe DSL triangle SYRK; fp32/fp64 via cuBLAS",
-           _tensor_core(cute.triangle_sym_mm), cute.cute_available),
+           tensor_core(cute.triangle), cute.cute_available),
     Kernel("cublas", ("cuda",), "universal fallback, full GEMM", full_mm, _on("cuda")),
     Kernel("torch_mm", ("cpu", "cuda", "meta"),
            "full GEMM through torch.matmul, no symmetry saving", full_mm, lambda d: (True, "")),

@@ -6,11 +6,14 @@ read 16-byte vectors (proofs/custom_ops_notes.md, "CuTe triangle SYRK").
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .cpu import full_mm
 
 
 def target_arch(device: torch.device) -> str:
@@ -98,3 +101,16 @@ def finish(D: Tensor, ops: Operands, lead: tuple[int, ...]) -> Tensor:
     if ops.n8 != ops.n:
         D = D[:, : ops.n, : ops.n].contiguous()
     return D.reshape(*lead, ops.n, ops.n)
+
+
+def tensor_core(triangle: Callable[[Operands, float, float], Tensor]):
+    """A sym_mm that runs `triangle(ops, alpha, beta)` -> (L, n8, n8) on `prepare`d fp16/bf16
+    operands (ops.C None when beta = 0); `full_mm` for other dtypes, empty shapes, alpha = 0."""
+
+    def sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+        if A.dtype not in (torch.float16, torch.bfloat16) or A.numel() == 0 or alpha == 0.0:
+            return full_mm(A, B, C, alpha, beta)
+        ops = prepare(A, B, C if beta != 0.0 else None)
+        return finish(triangle(ops, alpha, beta), ops, A.shape[:-2])
+
+    return sym_mm

@@ -9,7 +9,7 @@ import functools
 
 from torch import Tensor
 
-from ._cuda import cuda_check, finish, import_error, prepare
+from ._cuda import Operands, cuda_check, import_error
 
 
 @functools.cache
@@ -22,13 +22,9 @@ def available(device) -> tuple[bool, str]:
     return not why, why
 
 
-def sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-    """alpha·A·B + beta·C through quack; A: (..., n, k) fp16/bf16 on an sm_90+ device."""
+def triangle(ops: Operands, alpha: float, beta: float) -> Tensor:
+    """`_cuda.tensor_core`'s triangle through quack, on an sm_90+ device."""
     from quack.gemm_interface import gemm_symmetric
 
-    use_c = C is not None and beta != 0.0
-    ops = prepare(A, B, C if use_c else None)
-    D = gemm_symmetric(
-        ops.P, ops.B, C=ops.C, alpha=float(alpha), beta=float(beta) if use_c else 0.0
-    )
-    return finish(D, ops, A.shape[:-2])
+    beta = float(beta) if ops.C is not None else 0.0
+    return gemm_symmetric(ops.P, ops.B, C=ops.C, alpha=float(alpha), beta=beta)

@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import Tensor
 
-from .._cuda import cuda_check, finish, import_error, prepare, target_arch
+from .._cuda import Operands, cuda_check, import_error, target_arch
 
 _MAX_GRID_Z = 65535  # grid z is the batch; CUDA caps it
 
@@ -27,9 +27,8 @@ def cute_available(device: torch.device) -> tuple[bool, str]:
     return not why, why
 
 
-def triangle_sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-    """alpha·A·B + beta·C, exactly symmetric, in A's dtype; A: (..., n, k) fp16/bf16 on CUDA,
-    B: (..., k, n), C: (..., n, n) symmetric or None (not empty, alpha != 0: `_tensor_core`)."""
+def triangle(ops: Operands, alpha: float, beta: float) -> Tensor:
+    """`_cuda.tensor_core`'s triangle through the own kernel, on an sm_80+ device."""
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, Int32
@@ -37,18 +36,16 @@ def triangle_sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: 
 
     from ._cache import get_kernel
 
-    use_c = C is not None and beta != 0.0
-    ops = prepare(A, B, C if use_c else None)
-    el = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[A.dtype]
+    el = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[ops.P.dtype]
 
     def ptr(t: Tensor):
         return make_ptr(el, t.data_ptr(), cutlass.AddressSpace.gmem, assumed_align=16)
 
-    L = ops.P.shape[0]
-    D = torch.empty((L, ops.n8, ops.n8), dtype=A.dtype, device=A.device)
-    with torch.cuda.device(A.device):
-        dtype = str(A.dtype).removeprefix("torch.")
-        kernel = get_kernel(target_arch(A.device), dtype, ops.q_k_major, use_c)
+    L, device = ops.P.shape[0], ops.P.device
+    D = torch.empty((L, ops.n8, ops.n8), dtype=ops.P.dtype, device=device)
+    with torch.cuda.device(device):
+        dtype = str(D.dtype).removeprefix("torch.")
+        kernel = get_kernel(target_arch(device), dtype, ops.q_k_major, ops.C is not None)
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         for b0 in range(0, L, _MAX_GRID_Z):
             b1 = min(L, b0 + _MAX_GRID_Z)
@@ -59,4 +56,4 @@ def triangle_sym_mm(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: 
                 Int32(ops.n8), Int32(ops.k8), Int32(b1 - b0),
                 Float32(alpha), Float32(beta), stream,
             )  # fmt: skip
-    return finish(D, ops, A.shape[:-2])
+    return D
