@@ -188,7 +188,7 @@ def test_aot_compile_emits_tensor_core_mma(tmp_path, capfd, arch, dtype, q_k_maj
 def test_kernel_cache_compiles_once_per_variant(tmp_path, monkeypatch):
     """No GPU needed to compile; exporting the object may be refused without CUDA libraries
     (a warning), after which the in-memory kernel is still returned, once per variant."""
-    from custom_ops._kernels.cute import _cache
+    from custom_ops._kernels import cute as _cache
 
     monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DMUON_CUTE_DISK_CACHE", raising=False)

@@ -142,7 +142,7 @@ def test_auto_ladder_and_report_name_the_kernel_that_runs(monkeypatch):
 
 def test_cute_kernel_is_compiled_and_cached():
     _need("cute_sm80")
-    from custom_ops._kernels.cute import _cache
+    from custom_ops._kernels import cute as _cache
 
     A = torch.randn(128, 64, device="cuda", dtype=torch.float16)
     torch.ops.dmuon.syrk(A, impl="cute_sm80")

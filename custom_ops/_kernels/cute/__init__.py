@@ -1,16 +1,26 @@
-"""The own CuTe DSL triangle SYRK (`cute_sm80`, sm_80+): availability and the call.
+"""The own CuTe DSL triangle SYRK (`cute_sm80`, sm_80+): availability, the call, and the compiled
+kernels. `syrk_sm80.py` is the kernel, `_tiles.py` its building blocks. Importing this package
+needs neither CUDA nor nvidia-cutlass-dsl (imported on first use, once per process).
 
-Importing this package needs neither CUDA nor nvidia-cutlass-dsl (imported on first use, once per
-process). `syrk_sm80.py` is the kernel, `_tiles.py` its building blocks, `_cache.py` its compiles.
+Compiled kernels are kept once per process, and on disk at `<cache_dir>/cute/<arch>/<key>.o`
+(custom_ops._disk), <key> a hash of the kernel source, the nvidia-cutlass-dsl version and the
+variant. A lock file makes ranks of one node wait for the first compile. Disk failures warn and
+run the in-memory compile; DMUON_CUTE_DISK_CACHE=0 turns the disk off.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..._disk import cache_dir, locked
 from .._cuda import Operands, cuda_check, import_error, target_arch
 
 _MAX_GRID_Z = 65535  # grid z is the batch; CUDA caps it
@@ -34,8 +44,6 @@ def triangle(ops: Operands, alpha: float, beta: float) -> Tensor:
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
-    from ._cache import get_kernel
-
     el = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[ops.P.dtype]
 
     def ptr(t: Tensor):
@@ -57,3 +65,54 @@ def triangle(ops: Operands, alpha: float, beta: float) -> Tensor:
                 Float32(alpha), Float32(beta), stream,
             )  # fmt: skip
     return D
+
+
+def cache_root() -> Path:
+    return cache_dir() / "cute"
+
+
+def variant_key(dtype: str, q_k_major: bool, has_c: bool, cfg) -> str:
+    """Hash of kernel source + DSL version + variant: the object file's name."""
+    import cutlass
+
+    from . import _tiles, syrk_sm80
+
+    h = hashlib.sha256()
+    for module in (syrk_sm80, _tiles):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(f"cutlass-dsl={cutlass.__version__}".encode())
+    h.update(repr((dtype, q_k_major, has_c, cfg)).encode())
+    return h.hexdigest()[:24]
+
+
+@functools.cache
+def get_kernel(arch: str, dtype: str, q_k_major: bool, has_c: bool):
+    """The compiled triangle SYRK for one (arch, variant): from memory, disk, or a compile."""
+    import cutlass.cute as cute
+
+    from . import syrk_sm80
+
+    cfg = syrk_sm80.TileConfig()
+    compile_ = functools.partial(syrk_sm80.compile_kernel, dtype, q_k_major, has_c, arch, cfg)
+    if os.environ.get("DMUON_CUTE_DISK_CACHE", "1") == "0":
+        return compile_()
+    prefix = "dmuon_syrk_" + variant_key(dtype, q_k_major, has_c, cfg)
+    obj = cache_root() / arch / f"{prefix}.o"
+    try:
+        with locked(obj.with_suffix(".lock")):
+            if obj.exists():
+                try:
+                    return cute.runtime.load_module(str(obj))[prefix]
+                except Exception as e:  # a truncated or foreign object is a miss
+                    warnings.warn(f"dmuon_fn: recompiling, cannot load {obj}: {e}", stacklevel=2)
+            fn = compile_()
+            try:
+                with tempfile.TemporaryDirectory(dir=obj.parent) as tmp:
+                    fn.export_to_c(tmp, prefix, function_prefix=prefix)
+                    os.replace(Path(tmp) / f"{prefix}.o", obj)
+            except Exception as e:
+                warnings.warn(f"dmuon_fn: not caching {obj} on disk: {e}", stacklevel=2)
+            return fn
+    except OSError as e:  # unwritable cache directory: compile in memory only
+        warnings.warn(f"dmuon_fn: CuTe kernel disk cache unusable ({e})", stacklevel=2)
+        return compile_()
