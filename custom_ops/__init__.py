@@ -1,7 +1,5 @@
-"""`torch.ops.dmuon`: the project's custom ops, one per file, each in the op registry.
-
-Importing this package registers every op. Layering: this package imports torch only.
-"""
+"""`torch.ops.dmuon`: the project's custom ops, one per file; importing this package registers
+every op. Imports torch only."""
 
 from . import collective_wait as _collective_wait  # noqa: F401  (each import registers its op)
 from . import gather_start as _gather_start  # noqa: F401

@@ -1,8 +1,7 @@
-"""c10d collectives behind the communication ops and dmuon_fn's object API, and `define_async`,
-the one way an op that issues collectives is defined. Groups are a ProcessGroup or its name (ops
-carry the name); a group of size 1 returns at once without torch.distributed. A ticket, what a
-dmuon::*_start op hands to dmuon::collective_wait, is a (1,) int64 CPU tensor whose value keys
-the collectives' `finish`. Rationale: proofs/custom_ops_notes.md, "Communication ops".
+"""c10d collectives behind the communication ops and dmuon_fn's object API; `define_async`, the
+one way an op that issues collectives is defined; the tickets of its _start ops. Groups are a
+ProcessGroup or its name (ops carry the name); a group of size 1 needs no torch.distributed.
+Rationale: proofs/custom_ops_notes.md, "Communication ops".
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ _NEXT_TICKET = itertools.count(1)
 
 
 def issue_ticket(finish: Finish, *, once: bool = True) -> Tensor:
-    """Register `finish`; return its ticket. once=False: redeemable again and again (`finish`
-    must then be repeatable)."""
+    """Register `finish`; return its ticket, a (1,) int64 CPU tensor keying it. once=False:
+    redeemable again and again (`finish` must then be repeatable)."""
     key = next(_NEXT_TICKET)
     _PENDING[key] = (finish, once)
     with torch.profiler.record_function("dmuon::ticket"):  # its own label: not a gathered copy
@@ -76,8 +75,7 @@ class PairReduce:
     the other rank sends `t`, the owner adds what it receives on `wait`."""
 
     def __init__(self, t: Tensor, peer: int, pg: dist.ProcessGroup, owner: bool) -> None:
-        self.t = t
-        self.inbox = torch.empty_like(t) if owner else None
+        self.t, self.inbox = t, torch.empty_like(t) if owner else None
         if owner:
             self.work = dist.irecv(self.inbox, src=peer, group=pg, tag=PAIR_TAG)
         else:
@@ -96,9 +94,8 @@ class PairReduce:
 def _gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether `pg` runs collectives on tensors of `device` with gloo."""
     backend = str(dist.get_backend(pg))  # "gloo", or one per device: "cpu:gloo,cuda:nccl"
-    if ":" not in backend:
-        return backend == "gloo"
-    return dict(part.split(":") for part in backend.split(",")).get(device.type) == "gloo"
+    per_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {}
+    return per_device.get(device.type, backend) == "gloo"
 
 
 def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
@@ -146,10 +143,9 @@ def define_async(
     samples: Callable[[], Iterable[Sample]],
     start_args: str | None = None,
 ) -> None:
-    """Define and register both forms of one collective operation from `issue(*args)`, which
-    issues the collectives and returns the `Finish` that waits for them: dmuon::<name> (`args`
-    -> Tensor[], faked by `fake`) returns the results; dmuon::<name>_start (`start_args`, default
-    `args`, -> Tensor) returns a ticket that dmuon::collective_wait redeems for them."""
+    """Define and register, from `issue(*args)` -> Finish: dmuon::<name> (`args` -> Tensor[],
+    faked by `fake`), the results; dmuon::<name>_start (`start_args`, default `args`), a ticket
+    that dmuon::collective_wait redeems for them."""
     blocking, start = f"dmuon::{name}", f"dmuon::{name}_start"
     define_collective(blocking, f"({args}) -> Tensor[]")
     define_collective(start, f"({start_args or args}) -> Tensor")

@@ -1,8 +1,6 @@
-"""The project's on-disk cache: where it lives, and a lock for filling one entry at a time.
-
-Root: `$DMUON_CACHE_DIR` when set, else `$XDG_CACHE_HOME/dmuon_fn` (XDG_CACHE_HOME defaults to
-~/.cache). Users: compiled CuTe kernels (`cute/`, custom_ops/cute/_cache.py) and the measured
-CPU dispatch (`dispatch/`, dmuon_fn/ns/_dispatch.py). Every entry can be deleted at any time.
+"""The project's on-disk cache: `$DMUON_CACHE_DIR` when set, else `$XDG_CACHE_HOME/dmuon_fn`
+(XDG_CACHE_HOME defaults to ~/.cache), and a lock for filling one entry at a time. Every entry
+can be deleted at any time.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Handles: tensors that name a Python `Handler` to dmuon::gather_start, param_gather, param_reduce.
-
-A handle is a (1,) float64 CPU tensor whose value keys a registry of handlers (dmuon_fn's object
-API: one per dedicated parameter's module slot). Every handle has the same metadata, so one
-compiled graph serves every block on every rank. `handle.grad` is set whenever backward reaches
-the gather it names. Handlers are held weakly (proofs/custom_ops_notes.md, "Handles").
+"""Handles: (1,) float64 CPU tensors whose value keys a weakly held registry of `Handler`s
+(dmuon_fn's object API: one per dedicated parameter's module slot); dmuon::gather_start,
+param_gather and param_reduce take them (proofs/custom_ops_notes.md, "Handles").
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The registry of every `torch.ops.dmuon` op with its sample inputs, and the ops' vmap rule.
-
-Each op file calls `register_op` once; tests/test_op_contract.py runs opcheck, FakeTensorMode and
-`torch.compile(fullgraph=True)` over every registered op's samples.
-"""
+"""The registry of every `torch.ops.dmuon` op with its samples (tests/test_op_contract.py runs
+them all), and what the op files share: input checks, the vmap rule."""
 
 from __future__ import annotations
 

@@ -27,12 +27,8 @@ def ns_step(X: Tensor, a: float, b: float, c: float, impl: str = "auto") -> Tens
     sym_mm = resolve_kernel(impl, X.device).sym_mm
     A = sym_mm(X, X.mT, None, 1.0, 0.0)
     B = sym_mm(A, A, A, c, b)
-    return torch.baddbmm(
-        X.reshape(-1, *X.shape[-2:]),
-        B.reshape(-1, *B.shape[-2:]),
-        X.reshape(-1, *X.shape[-2:]),
-        beta=a,
-    ).reshape(X.shape)
+    X3 = X.reshape(-1, *X.shape[-2:])
+    return torch.baddbmm(X3, B.reshape(-1, *B.shape[-2:]), X3, beta=a).reshape(X.shape)
 
 
 @ns_step.register_fake

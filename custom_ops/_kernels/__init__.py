@@ -3,8 +3,7 @@
 `sym_mm(A, B, C, alpha, beta)` = alpha·A·B + beta·C in A's dtype, for A: (..., n, k), B: (..., k, n)
 with A·B symmetric (B = Aᵀ, or commuting symmetric matrices), C: (..., n, n) symmetric or None:
 exactly symmetric where a kernel mirrors a triangle, to rounding where one GEMM computes it.
-`resolve_kernel` picks one per device (explicit name > $DMUON_NS_KERNEL > the device's auto
-ladder); the resolved name travels as an op argument. CUDA kernels import their DSLs lazily.
+`resolve_kernel` picks one per device; the resolved name travels as an op argument.
 """
 
 from __future__ import annotations

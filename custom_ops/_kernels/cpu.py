@@ -1,9 +1,5 @@
-"""The torch GEMM kernels: the CPU's lower-triangle row strips, and one full GEMM (any device).
-
-`triangle_product(..., blocks)` computes row strip [r0, r1) against columns [0, r1) and mirrors
-each strip's part left of its diagonal block above it (exactly symmetric there; each diagonal
-block is one GEMM's output); one block is one GEMM. The CPU kernel takes its strips from the
-installed table (`set_cpu_strips`; none: one GEMM). Rationale: proofs/custom_ops_notes.md.
+"""The torch GEMM kernels: the CPU's lower-triangle row strips (their count from the table
+`set_cpu_strips` installs), and one full GEMM (any device). Rationale: proofs/custom_ops_notes.md.
 """
 
 from __future__ import annotations
@@ -38,8 +34,8 @@ def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
 
 
 def set_cpu_strips(table) -> None:
-    """Install the process-wide CPU strip table (`_CPU_STRIPS`); read when the kernel runs, eager
-    or compiled. Every rank of a job must install the same table (dmuon_fn/ns/_dispatch.py)."""
+    """Install the process-wide CPU strip table, read when the kernel runs, eager or compiled;
+    every rank of a job must install the same one."""
     global _CPU_STRIPS
     _CPU_STRIPS = check_cpu_strips(table)
 
@@ -80,7 +76,8 @@ def _strip_bounds(n: int, blocks: int) -> list[int]:
 def triangle_product(
     A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
 ) -> Tensor:
-    """alpha·A·B + beta·C by `blocks` lower row strips, mirrored (see the module docstring)."""
+    """alpha·A·B + beta·C: row strip [r0, r1) of `blocks` against columns [0, r1), its part left
+    of its diagonal block mirrored above it (exactly symmetric there); one block is one GEMM."""
     lead, n = A.shape[:-2], A.shape[-2]
     if alpha == 0.0:
         # torch 2.13's CPU bf16 baddbmm returns garbage for alpha=0; the product is not needed.
