@@ -44,8 +44,7 @@ class TriangleSyrk:
     def __init__(self, dtype: str, q_k_major: bool, has_c: bool, cfg: TileConfig = TileConfig()):
         self.dtype = DTYPES[dtype]
         self.q_major = LayoutEnum.ROW_MAJOR if q_k_major else LayoutEnum.COL_MAJOR
-        self.has_c = has_c
-        self.cfg = cfg
+        self.has_c, self.cfg = has_c, cfg
         self.bM = self.bN = cfg.tile
         self.bK = cfg.tile_k
         self.cta_tiler = (self.bM, self.bN, self.bK)
@@ -58,8 +57,7 @@ class TriangleSyrk:
         self, pP: cute.Pointer, pQ: cute.Pointer, pC: cute.Pointer, pD: cute.Pointer,
         n: Int32, k: Int32, batch: Int32, alpha: Float32, beta: Float32, stream: cuda.CUstream,
     ):  # fmt: skip
-        n = cute.assume(n, divby=8)
-        k = cute.assume(k, divby=8)
+        n, k = cute.assume(n, divby=8), cute.assume(k, divby=8)
         nk = cute.assume(Int64(n) * Int64(k), divby=64)
         nn = cute.assume(Int64(n) * Int64(n), divby=64)
         mP = cute.make_tensor(pP, cute.make_layout((n, k, batch), stride=(k, 1, nk)))
@@ -76,10 +74,8 @@ class TriangleSyrk:
         )
         sQ_layout = _tiles.smem_layout_ab(dt, self.q_major, (self.bN, self.bK, stages), bits)
         sD_layout = _tiles.smem_layout_d((self.bM, self.bN))
-        smem_bytes = max(
-            cute.size_in_bytes(self.dtype, sP_layout) + cute.size_in_bytes(self.dtype, sQ_layout),
-            cute.size_in_bytes(self.dtype, sD_layout),
-        )
+        sizes = [cute.size_in_bytes(dt, layout) for layout in (sP_layout, sQ_layout, sD_layout)]
+        smem_bytes = max(sizes[0] + sizes[1], sizes[2])
 
         g2s = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
@@ -88,9 +84,7 @@ class TriangleSyrk:
         )
         copy_P = self._tiled_copy(g2s, LayoutEnum.ROW_MAJOR, self.bM, self.bK)
         copy_Q = self._tiled_copy(g2s, self.q_major, self.bN, self.bK)
-        r2g = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=self.copy_bits
-        )
+        r2g = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=bits)
         copy_D = self._tiled_copy(r2g, LayoutEnum.ROW_MAJOR, self.bM, self.bN)
         copy_Dt = self._tiled_copy(r2g, LayoutEnum.COL_MAJOR, self.bM, self.bN)
 
@@ -167,8 +161,7 @@ class TriangleSyrk:
         tPsP.fill(0)
         tQsQ.fill(0)
         cute.arch.sync_threads()
-        stages = cute.size(tPsP, mode=[3])
-        k_tiles = cute.size(tPgP, mode=[3])
+        stages, k_tiles = cute.size(tPsP, mode=[3]), cute.size(tPgP, mode=[3])
         k_next = Int32(0)
         _tiles.copy_first_slab(copy_P, tPgP, tPsP, tPcP, tPpP, k_next)  # the ragged slab
         _tiles.copy_first_slab(copy_Q, tQgQ, tQsQ, tQcQ, tQpQ, k_next)
@@ -195,17 +188,9 @@ class TriangleSyrk:
         acc = tiled_mma.make_fragment_C(tCgD)
         acc.fill(0.0)
 
-        s2r_P = cute.make_tiled_copy_A(
-            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype),
-            tiled_mma,
-        )
-        s2r_Q = cute.make_tiled_copy_B(
-            cute.make_copy_atom(
-                cute.nvgpu.warp.LdMatrix8x8x16bOp(self.q_major != LayoutEnum.ROW_MAJOR, 4),
-                self.dtype,
-            ),
-            tiled_mma,
-        )
+        ldm, q_trans = cute.nvgpu.warp.LdMatrix8x8x16bOp, self.q_major != LayoutEnum.ROW_MAJOR
+        s2r_P = cute.make_tiled_copy_A(cute.make_copy_atom(ldm(False, 4), self.dtype), tiled_mma)
+        s2r_Q = cute.make_tiled_copy_B(cute.make_copy_atom(ldm(q_trans, 4), self.dtype), tiled_mma)
         thr_s2r_P, thr_s2r_Q = s2r_P.get_slice(tidx), s2r_Q.get_slice(tidx)
         tCsP_v, tCrP_v = thr_s2r_P.partition_S(sP), thr_s2r_P.retile(tCrP)
         tCsQ_v, tCrQ_v = thr_s2r_Q.partition_S(sQ), thr_s2r_Q.retile(tCrQ)
