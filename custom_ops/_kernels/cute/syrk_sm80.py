@@ -133,14 +133,10 @@ class TriangleSyrk:
         gP, gQ = (cute.domain_offset((0, residual_k, 0), g) for g in (gP, gQ))
         gP, gQ = (cute.make_tensor(g.iterator.align(16), g.layout) for g in (gP, gQ))
         # coordinate tensors (for predicates only)
-        cP = cute.local_tile(
-            cute.make_identity_tensor(mP.layout.shape)[None, None, bidz],
-            self.cta_tiler, coord, proj=(1, None, 1),
-        )  # fmt: skip
-        cQ = cute.local_tile(
-            cute.make_identity_tensor(mQ.layout.shape)[None, None, bidz],
-            self.cta_tiler, coord, proj=(None, 1, 1),
-        )  # fmt: skip
+        cP = cute.make_identity_tensor(mP.layout.shape)[None, None, bidz]
+        cP = cute.local_tile(cP, self.cta_tiler, coord, proj=(1, None, 1))
+        cQ = cute.make_identity_tensor(mQ.layout.shape)[None, None, bidz]
+        cQ = cute.local_tile(cQ, self.cta_tiler, coord, proj=(None, 1, 1))
         cP, cQ = (cute.domain_offset((0, residual_k, 0), c) for c in (cP, cQ))
 
         smem = SmemAllocator()
@@ -231,8 +227,7 @@ class TriangleSyrk:
                         )  # fmt: skip
                     k_next = k_next + 1
                     cute.arch.cp_async_commit_group()
-                    pipe_write = pipe_read
-                    pipe_read = pipe_read + 1
+                    pipe_write, pipe_read = pipe_read, pipe_read + 1
                     if pipe_read == stages:
                         pipe_read = Int32(0)
 
