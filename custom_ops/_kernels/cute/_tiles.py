@@ -15,8 +15,7 @@ from cutlass.tensor_utils import LayoutEnum
 def smem_layout_ab(dtype, major, tiler, copy_bits: int):
     """Swizzled (rows, bK, stages) operand buffer: 8-row atoms of up to 64 contiguous elements,
     XOR-swizzled so that cp.async writes and ldmatrix reads hit distinct banks."""
-    contiguous = tiler[1] if major == LayoutEnum.ROW_MAJOR else tiler[0]
-    contiguous = min(contiguous, 64)
+    contiguous = min(tiler[1] if major == LayoutEnum.ROW_MAJOR else tiler[0], 64)
     swizzle_bits = min(int(math.log2(contiguous * dtype.width // copy_bits)), 3)
     if major == LayoutEnum.ROW_MAJOR:
         atom = cute.make_layout((8, contiguous), stride=(contiguous, 1))
@@ -50,13 +49,9 @@ def gmem_tiled_copy(atom, major, rows: int, cols: int, threads: int, vector: int
 @cute.jit
 def row_predicate(tXgX, tXcX, n):
     """Per copy atom of tXgX (coordinates tXcX): whether its row is < n, broadcast over k."""
-    pred = cute.make_rmem_tensor(
-        cute.make_layout(
-            (tXgX.shape[0][1], cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])),
-            stride=(cute.size(tXgX, mode=[1]), 1, 0),
-        ),
-        cutlass.Boolean,
-    )
+    m = cute.size(tXgX, mode=[1])
+    shape = (tXgX.shape[0][1], m, cute.size(tXgX, mode=[2]))
+    pred = cute.make_rmem_tensor(cute.make_layout(shape, stride=(m, 1, 0)), cutlass.Boolean)
     for rv in cutlass.range_constexpr(pred.shape[0]):
         for m in cutlass.range_constexpr(pred.shape[1]):
             pred[rv, m, 0] = cute.elem_less(tXcX[(0, rv), m, 0, 0][0], n)
@@ -77,10 +72,8 @@ def copy_first_slab(tiled_copy, tXgX, tXsX, tXcX, rows_in, k_slab):
 @cute.jit
 def _in_bounds(tSg, tSc, n):
     """Per copy atom of a partitioned tile: whether its row and column are both < n."""
-    pred = cute.make_rmem_tensor(
-        (tSg.shape[0][1], cute.size(tSg, mode=[1]), cute.size(tSg, mode=[2])),
-        cutlass.Boolean,
-    )
+    shape = (tSg.shape[0][1], cute.size(tSg, mode=[1]), cute.size(tSg, mode=[2]))
+    pred = cute.make_rmem_tensor(shape, cutlass.Boolean)
     for rv in cutlass.range_constexpr(pred.shape[0]):
         for m in cutlass.range_constexpr(pred.shape[1]):
             for c in cutlass.range_constexpr(pred.shape[2]):
