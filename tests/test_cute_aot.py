@@ -212,7 +212,6 @@ def fake_cuda(monkeypatch):
     (triangle from 4096 rows) so that nothing times the device that is not there."""
     import custom_ops._kernels.cute as cute_pkg
     from custom_ops import _kernels
-    from custom_ops._kernels import quack as quack_adapter
 
     def setup(cap, dsl=True, quack=True):
         monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
@@ -220,7 +219,7 @@ def fake_cuda(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
         monkeypatch.setattr(cute_pkg, "dsl_import_error", lambda: "" if dsl else "no dsl here")
-        monkeypatch.setattr(quack_adapter, "_import_error", lambda: "" if quack else "no quack")
+        monkeypatch.setattr(_operands, "quack_import_error", lambda: "" if quack else "no quack")
         monkeypatch.setattr(_kernels, "_CUDA_TRIANGLE_FROM", {0: 4096.0})
         _kernels._auto.cache_clear()
 

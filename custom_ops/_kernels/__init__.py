@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import cute, quack
-from ._cuda import tensor_core
+from . import cute
+from ._cuda import quack_available, quack_triangle, tensor_core
 from .cpu import cpu_blocked, cpu_strips, full_mm
 
 ENV_VAR = "DMUON_NS_KERNEL"
@@ -47,7 +47,7 @@ def _on(*types: str) -> Callable[[torch.device], tuple[bool, str]]:
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("cpu_syrk", ("cpu",), "blocked lower-triangle GEMM strips", cpu_blocked, _on("cpu")),
     Kernel("quack", ("cuda",), "quack gemm_symmetric triangle SYRK; fp32/fp64 via cuBLAS",
-           tensor_core(quack.triangle), quack.available),
+           tensor_core(quack_triangle), quack_available),
     Kernel("cute_sm80", ("cuda",), "CuTe DSL triangle SYRK; fp32/fp64 via cuBLAS",
            tensor_core(cute.triangle), cute.cute_available),
     Kernel("cublas", ("cuda",), "universal fallback, full GEMM", full_mm, _on("cuda")),

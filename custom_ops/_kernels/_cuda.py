@@ -1,10 +1,12 @@
 """What the CUDA triangle kernels share (torch only, no DSL import): device and package checks,
 and operands zero-padded to multiples of 8 elements with 16-byte aligned bases, as both kernels
-read 16-byte vectors (proofs/custom_ops_notes.md, "CuTe triangle SYRK").
+read 16-byte vectors (proofs/custom_ops_notes.md, "CuTe triangle SYRK"); and quack's kernel
+(`pip install dmuon_fn[quack]`; quack caches its compiles in `$QUACK_CACHE_DIR`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import NamedTuple
@@ -76,8 +78,7 @@ def _row_major(t: Tensor) -> Tensor:
 def prepare(A: Tensor, B: Tensor, C: Tensor | None) -> Operands:
     """A: (..., n, k), B: (..., k, n), C: (..., n, n) or None -> operands, batch flattened."""
     n, k = A.shape[-2], A.shape[-1]
-    A3 = A.reshape(-1, n, k)
-    B3 = B.reshape(-1, k, n)
+    A3, B3 = A.reshape(-1, n, k), B.reshape(-1, k, n)
     C3 = None if C is None else C.reshape(-1, n, n)
     n8, k8 = -(-n // 8) * 8, -(-k // 8) * 8
     if (n8, k8) != (n, k):
@@ -114,3 +115,21 @@ def tensor_core(triangle: Callable[[Operands, float, float], Tensor]):
         return finish(triangle(ops, alpha, beta), ops, A.shape[:-2])
 
     return sym_mm
+
+
+@functools.cache
+def quack_import_error() -> str:
+    return import_error("quack", "quack", "quack.gemm_interface", "gemm_symmetric")
+
+
+def quack_available(device: torch.device) -> tuple[bool, str]:
+    why = cuda_check(device, (9, 0)) or quack_import_error()
+    return not why, why
+
+
+def quack_triangle(ops: Operands, alpha: float, beta: float) -> Tensor:
+    """`tensor_core`'s triangle through quack's gemm_symmetric, on an sm_90+ device."""
+    from quack.gemm_interface import gemm_symmetric
+
+    beta = float(beta) if ops.C is not None else 0.0
+    return gemm_symmetric(ops.P, ops.B, C=ops.C, alpha=float(alpha), beta=beta)
