@@ -5,6 +5,7 @@ param_gather and param_reduce take them (proofs/custom_ops_notes.md, "Handles").
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Protocol
@@ -61,15 +62,9 @@ class SampleHandler:
         self.grad += grad
 
 
-_SAMPLES: list[SampleHandler] = []  # kept here: the registry holds handlers weakly
-
-
+@functools.cache  # holds them: the registry holds handlers weakly
 def sample_handlers() -> list[SampleHandler]:
     """The samples' handlers (fp32 2-D, bf16 3-D), made once, shared by the handle ops."""
-    if not _SAMPLES:
-        g = torch.Generator().manual_seed(5)
-        _SAMPLES.extend(
-            SampleHandler(torch.randn(*s, generator=g, dtype=dt))
-            for s, dt in (((6, 4), torch.float32), ((3, 5, 2), torch.bfloat16))
-        )
-    return _SAMPLES
+    g = torch.Generator().manual_seed(5)
+    shapes = (((6, 4), torch.float32), ((3, 5, 2), torch.bfloat16))
+    return [SampleHandler(torch.randn(*s, generator=g, dtype=dt)) for s, dt in shapes]

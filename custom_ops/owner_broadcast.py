@@ -4,9 +4,8 @@ locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder el
 the full shapes, flattened, ndims[i] entries for parameter i; routes: 6 ints per parameter,
 (src, is_src, group_size, rep_src, is_rep_src, rep_size), src a rank of `group` (a process-group
 name), the last three for dmuon::two_stage_reduce; `after` only orders the call. Returns the full
-tensors, in order (the _start form: a ticket for dmuon::collective_wait). One call broadcasts
-every parameter in one fixed order. No autograd: the step reduces the gathered tensors'
-gradients with dmuon::two_stage_reduce (dmuon_fn.functional._step).
+tensors, in order (the _start form: a ticket for dmuon::collective_wait). No autograd: their
+gradients go back with dmuon::two_stage_reduce.
 """
 
 from __future__ import annotations

@@ -99,14 +99,13 @@ def resolve_kernel(name: str | None, device: torch.device | str, rows: int | Non
     Raises ValueError for an unknown name, RuntimeError for a kernel that cannot run here (a
     requested kernel is never replaced by another)."""
     device = torch.device(device)
-    if name not in (None, "auto"):
-        requested, source = name, "kernel="
-    else:
-        requested, source = os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}"
+    explicit = name not in (None, "auto")
+    requested = name if explicit else os.environ.get(ENV_VAR) or "auto"
+    source = "kernel=" if explicit else f"${ENV_VAR}"
     if requested == "auto":
         kernel = auto_kernel(device)
-        tensor_core = device.type == "cuda" and kernel.sym_mm is not full_mm
-        if tensor_core and rows is not None and rows < _CUDA_TRIANGLE_FROM.get(_index(device), 0):
+        triangle = device.type == "cuda" and kernel.sym_mm is not full_mm
+        if triangle and rows is not None and rows < _CUDA_TRIANGLE_FROM.get(_index(device), 0):
             return KERNELS["cublas"]
         return kernel
     if requested not in KERNELS:
@@ -124,11 +123,8 @@ def resolve_kernel(name: str | None, device: torch.device | str, rows: int | Non
 @functools.cache
 def _auto(device_type: str, index: int | None) -> str:
     """The first available kernel of the device's ladder (once per device and process)."""
-    device = torch.device(device_type, index)
-    for candidate in _AUTO_LADDER.get(device_type, ("torch_mm",)):
-        if KERNELS[candidate].available(device)[0]:
-            return candidate
-    return "torch_mm"
+    device, ladder = torch.device(device_type, index), _AUTO_LADDER.get(device_type, ())
+    return next((k for k in ladder if KERNELS[k].available(device)[0]), "torch_mm")
 
 
 def describe(kernel: Kernel, device: torch.device | str) -> str:
