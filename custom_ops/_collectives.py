@@ -42,9 +42,7 @@ def redeem(ticket: Tensor) -> list[Tensor]:
 
 
 def _group(group: Group) -> dist.ProcessGroup:
-    if isinstance(group, str):
-        return dist.distributed_c10d._resolve_process_group(group)
-    return group
+    return dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
 
 
 def broadcast_start(t: Tensor, src: int, group: Group, size: int):

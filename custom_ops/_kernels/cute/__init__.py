@@ -71,32 +71,24 @@ def cache_root() -> Path:
     return cache_dir() / "cute"
 
 
-def variant_key(dtype: str, q_k_major: bool, has_c: bool, cfg) -> str:
-    """Hash of kernel source + DSL version + variant: the object file's name."""
-    import cutlass
-
-    from . import _tiles, syrk_sm80
-
-    h = hashlib.sha256()
-    for module in (syrk_sm80, _tiles):
-        h.update(Path(module.__file__).read_bytes())
-    h.update(f"cutlass-dsl={cutlass.__version__}".encode())
-    h.update(repr((dtype, q_k_major, has_c, cfg)).encode())
-    return h.hexdigest()[:24]
-
-
 @functools.cache
 def get_kernel(arch: str, dtype: str, q_k_major: bool, has_c: bool):
     """The compiled triangle SYRK for one (arch, variant): from memory, disk, or a compile."""
+    import cutlass
     import cutlass.cute as cute
 
-    from . import syrk_sm80
+    from . import _tiles, syrk_sm80
 
     cfg = syrk_sm80.TileConfig()
     compile_ = functools.partial(syrk_sm80.compile_kernel, dtype, q_k_major, has_c, arch, cfg)
     if os.environ.get("DMUON_CUTE_DISK_CACHE", "1") == "0":
         return compile_()
-    prefix = "dmuon_syrk_" + variant_key(dtype, q_k_major, has_c, cfg)
+    h = hashlib.sha256()  # the object's name: kernel source, DSL version, variant
+    for module in (syrk_sm80, _tiles):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(f"cutlass-dsl={cutlass.__version__}".encode())
+    h.update(repr((dtype, q_k_major, has_c, cfg)).encode())
+    prefix = "dmuon_syrk_" + h.hexdigest()[:24]
     obj = cache_root() / arch / f"{prefix}.o"
     try:
         with locked(obj.with_suffix(".lock")):
