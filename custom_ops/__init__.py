@@ -15,19 +15,14 @@ from ._disk import cache_dir, locked
 from ._kernels import (
     KERNELS,
     auto_kernel,
+    cpu_strips,
     cuda_triangle_rows,
     describe,
     kernel_names,
     resolve_kernel,
     set_cuda_triangle_rows,
 )
-from ._kernels.cpu import (
-    MIN_STRIP_ROWS,
-    check_cpu_strips,
-    cpu_strips,
-    set_cpu_strips,
-    triangle_product,
-)
+from ._kernels.cpu import MIN_STRIP_ROWS, check_cpu_strips, set_cpu_strips, triangle_product
 from ._registry import OpSpec, register_op, registered_ops
 
 __all__ = [

@@ -22,8 +22,7 @@ def cache_dir() -> Path:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created with its parents): processes that fill the same
-    entry take turns, and the later ones find it filled."""
+    """Hold an exclusive lock on `path` (created with its parents) for the `with` block."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

@@ -21,7 +21,6 @@ from ._cuda import quack_available, quack_triangle, tensor_core
 from .cpu import cpu_blocked, cpu_strips, full_mm
 
 ENV_VAR = "DMUON_NS_KERNEL"
-SymMM = Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class Kernel:
     name: str
     device_types: tuple[str, ...]
     description: str
-    sym_mm: SymMM
+    sym_mm: Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
     available: Callable[[torch.device], tuple[bool, str]]
 
 
@@ -63,13 +62,12 @@ def kernel_names() -> list[str]:
     return sorted(KERNELS)
 
 
-# Per CUDA device index: the rows from which `auto`'s triangle kernel beats one cuBLAS GEMM
-# (inf: never), installed by dmuon_fn's dispatch. Explicit kernels ignore it.
-_CUDA_TRIANGLE_FROM: dict[int, float] = {}
+_CUDA_TRIANGLE_FROM: dict[int, float] = {}  # per CUDA device index; see set_cuda_triangle_rows
 
 
 def set_cuda_triangle_rows(index: int, rows: float) -> None:
-    """Install CUDA device `index`'s rule: `auto` runs its triangle kernel from `rows` rows."""
+    """Install CUDA device `index`'s rule: `auto` runs its triangle kernel (not one cuBLAS GEMM)
+    from `rows` rows (inf: never). Explicit kernels ignore it."""
     if not rows >= 0:
         raise ValueError(f"triangle rows must be >= 0 (inf: never), got {rows!r}")
     _CUDA_TRIANGLE_FROM[index] = float(rows)

@@ -31,12 +31,9 @@ def cuda_check(device: torch.device, min_cap: tuple[int, int]) -> str:
     if not torch.cuda.is_available():
         return "CUDA is not available in this process"
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < min_cap:
-        return (
-            f"needs compute capability >= {min_cap[0]}.{min_cap[1]}, "
-            f"this device has {major}.{minor}"
-        )
-    return ""
+    if (major, minor) >= min_cap:
+        return ""
+    return f"needs compute capability >= {min_cap[0]}.{min_cap[1]}, this device has {major}.{minor}"
 
 
 def import_error(package: str, extra: str, module: str, attr: str = "__name__") -> str:
