@@ -174,8 +174,7 @@ class TriangleSyrk:
 
         # ---- MMA partitions and the shared -> register (ldmatrix) copies ----
         thr_mma = tiled_mma.get_slice(tidx)
-        tCsP = thr_mma.partition_A(sP)
-        tCsQ = thr_mma.partition_B(sQ)
+        tCsP, tCsQ = thr_mma.partition_A(sP), thr_mma.partition_B(sQ)
         tCgD = thr_mma.partition_C(
             cute.local_tile(mD[None, None, bidz], self.cta_tiler, coord, proj=(1, 1, None))
         )
