@@ -82,10 +82,9 @@ class PairReduce:
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-            self.work = None
             if self.inbox is not None:
                 self.t.add_(self.inbox)
-                self.inbox = None
+            self.work = self.inbox = None
         return True
 
 

@@ -40,9 +40,8 @@ def handler(handle: Tensor) -> Handler:
     try:
         return _HANDLERS[key]
     except KeyError:
-        raise RuntimeError(
-            f"dmuon: no live handler for handle {key}: its parameter's owner was deleted"
-        ) from None
+        msg = f"dmuon: no live handler for handle {key}: its parameter's owner was deleted"
+        raise RuntimeError(msg) from None
 
 
 class SampleHandler:

@@ -17,10 +17,8 @@ from ._registry import OpSpec, check_like, register_op
 
 def _check(costs: Tensor, groups: Tensor | None, nbytes: Tensor | None) -> None:
     if costs.dim() != 1 or costs.dtype.is_complex or costs.dtype == torch.bool:
-        raise ValueError(
-            f"lpt_partition: costs must be a 1-D real tensor, got {tuple(costs.shape)} "
-            f"{costs.dtype}"
-        )
+        got = f"{tuple(costs.shape)} {costs.dtype}"
+        raise ValueError(f"lpt_partition: costs must be a 1-D real tensor, got {got}")
     check_like("lpt_partition", "groups", groups, costs.shape, torch.int64)
     check_like("lpt_partition", "nbytes", nbytes, costs.shape)
 

@@ -107,10 +107,8 @@ def resolve_kernel(name: str | None, device: torch.device | str, rows: int | Non
             return KERNELS["cublas"]
         return kernel
     if requested not in KERNELS:
-        raise ValueError(
-            f"unknown NS kernel {requested!r} (from {source}); valid kernels: "
-            f"{', '.join(['auto', *kernel_names()])}"
-        )
+        valid = ", ".join(["auto", *kernel_names()])
+        raise ValueError(f"unknown NS kernel {requested!r} (from {source}); valid kernels: {valid}")
     kernel = KERNELS[requested]
     ok, why = kernel.available(device)
     if not ok:

@@ -41,10 +41,8 @@ def import_error(package: str, extra: str, module: str, attr: str = "__name__") 
     try:
         getattr(importlib.import_module(module), attr)
     except Exception as e:
-        return (
-            f"{package} is not importable ({type(e).__name__}: {e}); "
-            f"install it with `pip install dmuon_fn[{extra}]`"
-        )
+        why = f"{package} is not importable ({type(e).__name__}: {e})"
+        return f"{why}; install it with `pip install dmuon_fn[{extra}]`"
     return ""
 
 
