@@ -1,8 +1,7 @@
 """dmuon::gram_ns_step — one Newton-Schulz step carried out in Gram space.
 
 With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every product below is of commuting symmetric matrices
-(polynomials in R_0), computed by the SYRK kernels. P = a·I + Z, Q = q·I + Q_z: the identity
-parts stay exact floats in the GEMMs' fp32 `beta` (proofs/custom_ops_notes.md, "Gram step").
+(SYRK); P = a·I + Z, Q = q·I + Q_z keep their identity parts exact (proofs/custom_ops_notes.md).
     Z    = b·R + c·R²                       (syrk of R with C = R)
     Q_z' = Z·Q_z + a·Q_z + q·Z              (q·Z when Q_z is None, i.e. Q = q·I)
     R'   = Z·T + a·T,  T = Z·R + a·R        (P·R·P; only when `update_r`)
