@@ -1,8 +1,7 @@
 """How a dedicated parameter lies over the tensor-parallel ranks (`parallelize_module` over a 1-D
 tensor mesh of T ranks): a `Shard(d)` DTensor (torch.chunk's sizes), or a whole copy
 (`Replicate()`, or a plain tensor). Tensor rank t of the owner slot holds part t as a plain
-parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md).
-"""
+parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md)."""
 
 from __future__ import annotations
 
