@@ -97,9 +97,8 @@ class Config:
         kernel, error = kernel_field(self.ns.kernel, device)
         if across_ranks:
             setup = {"NS kernel": kernel, "NS dispatch": setup_field(device)}
-            check_setup_consistent(
-                {**setup, "NS config": repr(self.ns), "optimizer": repr(self), **fields}
-            )
+            setup |= {"NS config": repr(self.ns), "optimizer": repr(self)}
+            check_setup_consistent({**setup, **fields})
         if error is not None:
             raise error
 
