@@ -24,9 +24,8 @@ import torch.distributed as dist
 import custom_ops
 
 from ..comm._agree import broadcast_json
-from ._coefficients import schedule
 from ._cost import GRAM_MIN_ASPECT, default_restarts
-from ._iteration import gram, normalize, standard
+from ._iteration import gram, normalize, schedule, standard
 
 FORMAT = 1  # of the dispatch cache files and of the identity; bump when the procedure changes
 BF16_WIN = 1.2  # bf16 iterates round more than fp32: take them only for a clear speed-up

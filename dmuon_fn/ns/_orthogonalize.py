@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._coefficients import schedule
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
 from ._dispatch import gram_min_aspect, iteration_dtype, kernel_choice
-from ._iteration import gram, halves, normalize, plain_eager, standard
+from ._iteration import gram, halves, normalize, plain_eager, schedule, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
