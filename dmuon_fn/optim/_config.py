@@ -1,6 +1,5 @@
-"""Config: the hyperparameters of both faces, validated once (`Muon` builds one from its
-arguments; the functional API takes one). `groups()` names them as param groups do
-(proofs/step_notes.md)."""
+"""`Config`: the hyperparameters of both faces, validated once (`Muon` builds one, the functional
+API takes one); `groups()` names them as param groups do (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
