@@ -14,7 +14,7 @@ from .dedicated._muon import Muon
 from .functional._plan import FnPlan, plan
 from .functional._step import State, full_params, global_grad_norm, init, update, value_and_grad
 from .ns._backend import get_ns_backend
-from .ns._coefficients import PRESETS
+from .ns._iteration import PRESETS
 from .ns._orthogonalize import NSConfig, orthogonalize
 from .optim._config import Config
 from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update

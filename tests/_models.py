@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dmuon_fn.ns._coefficients import schedule
+from dmuon_fn.ns._iteration import schedule
 
 D, FF = 32, 64
 # Hyperparameters shared by the parity tests and their reference. Every one differs from the

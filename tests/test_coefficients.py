@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from dmuon_fn.ns._coefficients import (
+from dmuon_fn.ns._iteration import (
     _POLAR_EXPRESS_RAW,
     KELLER,
     POLAR_EXPRESS,

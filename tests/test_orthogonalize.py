@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dmuon_fn import orthogonalize
 from dmuon_fn.ns import _iteration as iteration_module
 from dmuon_fn.ns import _orthogonalize as orth_module
-from dmuon_fn.ns._coefficients import PRESETS, schedule
 from dmuon_fn.ns._cost import default_restarts
+from dmuon_fn.ns._iteration import PRESETS, schedule
 from dmuon_fn.ns._orthogonalize import NSConfig, orthogonalize_with
 from tests._tolerance import NS_LOW_PRECISION, PRODUCT, rel_err
 

@@ -18,7 +18,7 @@ from dmuon_fn import (
     muon_init,
     muon_update,
 )
-from dmuon_fn.ns._coefficients import schedule
+from dmuon_fn.ns._iteration import schedule
 from dmuon_fn.optim._update import on_device
 from tests._tolerance import rel_err
 

@@ -61,10 +61,6 @@ class PhaseStats:
     def bytes(self) -> float:
         return sum(self.op_bytes.values())
 
-    @property
-    def count(self) -> int:
-        return sum(self.calls.values())
-
 
 class _Phases:
     """The current phase's name (default "other"), switched by `phase(name)` for a block."""
@@ -97,12 +93,10 @@ class CommCounter(_Phases, TorchDispatchMode):
         table = _C10D if ns == "c10d" else _FUNCOL if ns == "_c10d_functional" else None
         if table is not None and name in table:
             factor, which = table[name]
-            if name in ("send", "recv_"):
-                w = 2
-                if len(args) > 3 and args[3] == PAIR_TAG:
-                    name = "reduce_"
-            else:
-                w = _group_size(args, kwargs)
+            p2p = name in ("send", "recv_")
+            w = 2 if p2p else _group_size(args, kwargs)
+            if p2p and len(args) > 3 and args[3] == PAIR_TAG:
+                name = "reduce_"
             payload = _nbytes(args[which]) if which < len(args) else 0
             if name == "all_gather_into_tensor":
                 payload *= w  # args[0] is this rank's shard
@@ -114,8 +108,7 @@ class CommCounter(_Phases, TorchDispatchMode):
 
 class CommTimer(_Phases):
     """Seconds (`seconds[phase]`) and count (`waits[phase]`) of the calling thread's waits for
-    dmuon_fn's collectives on every path (hooks, compiled blocks, the step), by phase; nested
-    timers each count."""
+    dmuon_fn's collectives (`blocked()`), by phase; nested timers each count."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)

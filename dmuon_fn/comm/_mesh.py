@@ -56,8 +56,7 @@ def check_meshes(
             f"{tensor} disagree with the world size {dist.get_world_size()}: they must be the "
             f"'shard' and 'replicate' dims of one {'3-D' if tensor else '2-D'} mesh"
         )
-    shard_ranks = set(mesh.mesh.flatten().tolist())
-    rep_ranks = set(replicate_mesh.mesh.flatten().tolist())
+    shard_ranks, rep_ranks = (set(m.mesh.flatten().tolist()) for m in (mesh, replicate_mesh))
     if shard_ranks & rep_ranks != {dist.get_rank()}:
         raise ValueError(
             "mesh and replicate_mesh disagree: they must be the 'shard' and 'replicate' dims of "

@@ -1,8 +1,8 @@
 """What Newton-Schulz runs on a device: the iteration dtype, the Gram ratio, the SYRK kernel.
-A CPU's are measured once per machine (`cpu_dispatch`, cached in `cache_dir()/dispatch/`,
-`agree`d from rank 0); elsewhere Gram runs from GRAM_MIN_ASPECT and the dtype is bf16 on CUDA
-sm_80+ (fp16 below, float32 off CUDA), CUDA's triangle kernel from `cuda_triangle_rows`. Each is a
-constant under torch.compile; proofs/dispatch.md."""
+A CPU's are measured once per `identity()` (`cpu_dispatch`, cached in `cache_dir()/dispatch/`,
+`agree`d from rank 0); elsewhere Gram runs from GRAM_MIN_ASPECT, the dtype is bf16 on CUDA sm_80+
+(fp16 below, float32 off CUDA), CUDA's triangle kernel from `cuda_triangle_rows`. Each is a
+constant under torch.compile (proofs/dispatch.md); the choose_* rules: proofs/ns_notes.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,22 +24,13 @@ import torch.distributed as dist
 import custom_ops
 
 from ..comm._agree import broadcast_json
-from ._coefficients import schedule
 from ._cost import GRAM_MIN_ASPECT, default_restarts
-from ._iteration import gram, normalize, standard
-from ._machine import (
-    REPS,
-    choose_aspect,
-    choose_dtype,
-    choose_strips,
-    choose_triangle_rows,
-    cpu_flags,
-    cuda_clock,
-    identity,
-    native_bf16,
-    race,
-)
+from ._iteration import gram, normalize, schedule, standard
 
+FORMAT = 1  # of the dispatch cache files and of the identity; bump when the procedure changes
+BF16_WIN = 1.2  # bf16 iterates round more than fp32: take them only for a clear speed-up
+STRIP_WIN = 0.95  # strips must save 5% over one GEMM (whose result is the plain product)
+REPS = 3
 GEMM_SIZE = 512
 STRIP_SIZES = (256, 512, 1024)
 STRIP_COUNTS = (1, 2, 4, 8)
@@ -46,6 +39,131 @@ PROBE_ASPECTS = (1.5, 2.0, 3.0, 4.0)
 TRIANGLE_SIZES = (1024, 2048, 4096, 8192)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _log = logging.getLogger("dmuon_fn")
+# Flags that mean native bf16 dot products: x86 AVX-512 BF16 and AMX; Arm FEAT_BF16 (and SVE's).
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+# Flags that move GEMM speed, kept in the identity.
+_KEY_FLAGS = _BF16_FLAGS | {"avx2", "fma", "avx512f", "avx512_vnni", "amx_tile", "asimd", "sve"}
+
+
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line keyed by one of `keys` (None: none, unreadable)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in keys:
+                return value
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("flags" on x86, "Features" on Arm); empty if unreadable."""
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
+
+
+def cpu_model() -> str:
+    model = _cpuinfo("model name")
+    return model.strip() if model is not None else platform.processor() or platform.machine()
+
+
+def native_bf16(flags: frozenset[str]) -> bool | None:
+    """Whether the flags show native bf16 matmul (None: no flags to tell, so measure)."""
+    return bool(flags & _BF16_FLAGS) if flags else None
+
+
+def identity() -> dict:
+    """What the cached choice depends on; a different identity is measured afresh."""
+    return {
+        "format": FORMAT,
+        "cpu": cpu_model(),
+        "flags": sorted(cpu_flags() & _KEY_FLAGS),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")
+        or os.environ.get("DNNL_MAX_CPU_ISA", ""),
+    }
+
+
+def wall_clock(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cuda_clock(fn: Callable[[], object]) -> float:
+    """Seconds of fn's work on the current CUDA stream, by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def race(
+    candidates: Mapping[object, Callable[[], object]],
+    reps: int = REPS,
+    *,
+    clock: Callable[[Callable[[], object]], float] = wall_clock,
+    limit: float = math.inf,
+) -> dict:
+    """Best seconds of `reps` runs per candidate after one warm-up each, round-robin; `clock(fn)`
+    times one run; a candidate whose best exceeds `limit` is timed no more."""
+    best = {k: math.inf for k in candidates}
+    live = dict(candidates)
+    for rep in range(reps + 1):
+        for k, fn in list(live.items()):
+            t = clock(fn)
+            if rep:
+                best[k] = min(best[k], t)
+                if best[k] > limit:
+                    del live[k]
+    return best
+
+
+def choose_dtype(t_fp32: float, t_bf16: float) -> bool:
+    """bf16 iterates when a bf16 GEMM took at most 1/BF16_WIN of the fp32 one's time."""
+    return t_bf16 * BF16_WIN <= t_fp32
+
+
+def choose_aspect(times: Mapping[float, tuple[float, float]]) -> float:
+    """The smallest key from which the challenger beat the incumbent at every key (times[key] =
+    (incumbent, challenger) seconds, e.g. (standard, gram) per aspect); inf if none."""
+    won = math.inf
+    for k in sorted(times, reverse=True):
+        if times[k][1] >= times[k][0]:
+            break
+        won = k
+    return won
+
+
+def _start(sizes: Sequence[float], n: float) -> float:
+    """Where a choice measured at size n of the sorted `sizes` starts: the geometric midpoint to
+    the next smaller size, n/√2 below the smallest."""
+    i = sizes.index(n)
+    return math.sqrt(n * sizes[i - 1]) if i else n / math.sqrt(2)
+
+
+def choose_strips(times: Mapping[int, Mapping[int, float]]) -> tuple[tuple[int, int], ...]:
+    """The strip table from times[n][strips] (strips 1: one GEMM) measured at sizes n: each
+    size's fastest strip count when it beat one GEMM by STRIP_WIN, else one GEMM."""
+    sizes = sorted(times)
+    table: list[tuple[int, int]] = []
+    for n in sizes:
+        t = times[n]
+        best = min(t, key=lambda b: (t[b], b))
+        blocks = best if best > 1 and t[best] <= STRIP_WIN * t[1] else 1
+        if blocks != (table[-1][1] if table else 1):
+            start = round(_start(sizes, n))
+            table.append((max(start, blocks * custom_ops.MIN_STRIP_ROWS), blocks))
+    return tuple(table)
+
+
+def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
+    """Rows from which the triangle kernel runs (times[n] = (one GEMM, triangle) at n rows): the
+    `_start` of `choose_aspect(times)`; inf if it lost at the largest."""
+    n = choose_aspect(times)
+    return n if math.isinf(n) else float(round(_start(sorted(times), n)))
 
 
 @dataclass(frozen=True)
@@ -60,12 +178,8 @@ class CpuDispatch:
 
     def to_json(self) -> dict:
         aspect = None if math.isinf(self.gram_min_aspect) else self.gram_min_aspect
-        return {
-            "dtype": str(self.dtype)[6:],
-            "gram_min_aspect": aspect,
-            "strips": [list(s) for s in self.strips],
-            "why": self.why,
-        }
+        strips = [list(s) for s in self.strips]
+        return dict(dtype=str(self.dtype)[6:], gram_min_aspect=aspect, strips=strips, why=self.why)
 
     @classmethod
     def from_json(cls, d: Mapping, source: str) -> CpuDispatch:
@@ -99,9 +213,7 @@ def _strip_times(dtype: torch.dtype) -> dict[int, dict[int, float]]:
 
 
 def _method_times(dtype: torch.dtype) -> dict[float, tuple[float, float]]:
-    rows = schedule("polar_express", 5)
-    restarts = frozenset(default_restarts(5))
-    out = {}
+    rows, restarts, out = schedule("polar_express", 5), frozenset(default_restarts(5)), {}
     for a in PROBE_ASPECTS:
         G = torch.randn(PROBE_SHORT, round(a * PROBE_SHORT), dtype=torch.float32, device="cpu")
         X = normalize(G, 1e-7, dtype)
@@ -167,12 +279,13 @@ def _load_or_measure() -> CpuDispatch:
         return measure()
 
 
-def install(d: CpuDispatch | None) -> None:
+def install(d: CpuDispatch | None) -> CpuDispatch | None:
     """Make `d` this process's CPU dispatch, strip table included; None forgets it."""
     global _current, _DTYPE, _ASPECT
     if d is not None:
         custom_ops.set_cpu_strips(d.strips)
     _current, _DTYPE, _ASPECT = d, d and d.dtype, d and d.gram_min_aspect
+    return d
 
 
 def cpu_dispatch() -> CpuDispatch:
@@ -190,9 +303,7 @@ def agree(group: dist.ProcessGroup | None = None) -> CpuDispatch:
     if dist.get_rank(group) == 0:
         broadcast_json(cpu_dispatch().to_json(), 0, group)
         return _current
-    d = CpuDispatch.from_json(broadcast_json(None, 0, group), "rank 0")
-    install(d)
-    return d
+    return install(CpuDispatch.from_json(broadcast_json(None, 0, group), "rank 0"))
 
 
 # Deciding inside torch.compile: run eagerly while tracing, the result a constant of the graph.

@@ -11,8 +11,7 @@ gram_ns.md, ns_symmetry.md, normalization.md):
                    if i is a restart: X ← Q·X; R ← X·Xᵀ; Q ← I
                    P ← a·I + b·R + c·R²;  Q ← P·Q;  R ← P·R·P   (dmuon::gram_ns_step)
                X ← Q·X      (Q, P carried as scalar·I + matrix; restarts: `default_restarts`)
-    5. undo the transpose, cast back to G's dtype
-"""
+    5. undo the transpose, cast back to G's dtype"""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._coefficients import schedule
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
 from ._dispatch import gram_min_aspect, iteration_dtype, kernel_choice
-from ._iteration import gram, halves, normalize, plain_eager, standard
+from ._iteration import gram, halves, normalize, plain_eager, schedule, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -102,7 +100,6 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     tall = G.shape[-2] > G.shape[-1]
     src = G.mT if tall else G  # iterate on the short side
     dt = torch.promote_types(G.dtype, torch.float32)
-    # float64 input (a reference computation) iterates in float64
     it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
     # Eager: one contiguous buffer holds the normalized copy and, under narrower iterates, the
     # result. G is transposed before normalizing, so G and Gᵀ give bitwise-transposed results.

@@ -1,6 +1,5 @@
-"""Config: the hyperparameters of both faces, validated once (`Muon` builds one from its
-arguments; the functional API takes one). `groups()` names them as param groups do
-(proofs/step_notes.md)."""
+"""`Config`: the hyperparameters of both faces, validated once (`Muon` builds one, the functional
+API takes one); `groups()` names them as param groups do (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
@@ -97,9 +96,8 @@ class Config:
         kernel, error = kernel_field(self.ns.kernel, device)
         if across_ranks:
             setup = {"NS kernel": kernel, "NS dispatch": setup_field(device)}
-            check_setup_consistent(
-                {**setup, "NS config": repr(self.ns), "optimizer": repr(self), **fields}
-            )
+            setup |= {"NS config": repr(self.ns), "optimizer": repr(self)}
+            check_setup_consistent({**setup, **fields})
         if error is not None:
             raise error
 

@@ -1,13 +1,11 @@
 """Pure Muon and AdamW updates: (param, grad, state) -> (new param, new state), nothing mutated.
 lr and weight decay may be 0-d tensors, so a compiled step never recompiles for a schedule.
-
-Muon, per matrix W (m×n, trailing dims flattened), gradient g (DESIGN.md, "The math"):
+Muon, per matrix W (m×n, trailing dims flattened), gradient g:
     buf ← μ·buf + g;  u ← g + μ·buf if nesterov else buf;  O ← orthogonalize(u)
     W ← W·(1 − lr·wd) − lr·scale(m, n)·O,  scale "match_rms_adamw" = 0.2·sqrt(max(m, n))
     (default) or "original" = sqrt(max(1, m/n))
 AdamW (as torch.optim.AdamW): t ← t + 1;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²
-    W ← W·(1 − lr·wd) − lr/(1−β₁ᵗ) · m / (sqrt(v)/sqrt(1−β₂ᵗ) + eps)
-"""
+    W ← W·(1 − lr·wd) − lr/(1−β₁ᵗ) · m / (sqrt(v)/sqrt(1−β₂ᵗ) + eps)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """How a dedicated parameter lies over the tensor-parallel ranks (`parallelize_module` over a 1-D
 tensor mesh of T ranks): a `Shard(d)` DTensor (torch.chunk's sizes), or a whole copy
 (`Replicate()`, or a plain tensor). Tensor rank t of the owner slot holds part t as a plain
-parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md).
-"""
+parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md)."""
 
 from __future__ import annotations
 
@@ -128,18 +127,17 @@ def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:
     if not isinstance(p, DTensor):
         return TensorLayout(tp, None, p.shape, (), root, None)
     (pl,) = p.placements
-    full = p.shape
     if isinstance(pl, Replicate):
-        return TensorLayout(tp, None, full, (), root, (pl,))
-    dim = pl.dim % len(full)
-    sizes, held = chunk_sizes(full[dim], tp.size), p.to_local().shape[dim]
+        return TensorLayout(tp, None, p.shape, (), root, (pl,))
+    dim = pl.dim % p.ndim
+    sizes, held = chunk_sizes(p.shape[dim], tp.size), p.to_local().shape[dim]
     if sizes[tp.rank] != held:  # (a Shard layout other than torch.chunk's)
         raise ValueError(
-            f"a DTensor of shape {tuple(full)} sharded over dim {dim} holds {held} rows on "
+            f"a DTensor of shape {tuple(p.shape)} sharded over dim {dim} holds {held} rows on "
             f"tensor rank {tp.rank}, not torch.chunk's {sizes[tp.rank]}: dedicate_params takes "
             "DTensor's own Shard layout"
         )
-    return TensorLayout(tp, dim, full, sizes, root, (Shard(dim),))
+    return TensorLayout(tp, dim, p.shape, sizes, root, (Shard(dim),))
 
 
 def chunk_sizes(n: int, parts: int) -> tuple[int, ...]:

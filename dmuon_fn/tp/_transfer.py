@@ -1,14 +1,11 @@
 """The step's one exchange under tensor parallelism: each matrix orthogonalized once in the job.
-
 The other tensor ranks of a matrix's owner slot send their parts of its Newton-Schulz input u to
-`root` (sharded matrices only), which orthogonalizes the whole u and sends each its part of O.
-Two point-to-point batches per step, each in the plan's entry order (proofs/tensor_parallel.md
-claims 4, 7 and 8).
-"""
+`root` (sharded matrices only), which orthogonalizes the whole u and sends each its part of O:
+two point-to-point batches per step, in the plan's entry order (proofs/tensor_parallel.md)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,23 +19,18 @@ from ._layout import TensorLayout
 TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its scatter
 
 
-class Split(Protocol):
-    """A matrix split over the tensor ranks (dedicated/_entries.Entry)."""
-
-    tp: TensorLayout
-
-
 class TensorExchange:
-    """One step's exchange: `post` every matrix, `orthogonalize`, then `result` per matrix."""
+    """One step's exchange: `post` every matrix, `orthogonalize`, then `result` per matrix; a
+    matrix `e` is anything with a `tp: TensorLayout` (dedicated/_entries.Entry)."""
 
     def __init__(self, ns: NSConfig) -> None:
         self.ns = ns
         self.ns_calls = 0
-        self._posted: list[tuple[Split, int, Tensor]] = []
+        self._posted: list[tuple[Any, int, Tensor]] = []
         self._out: dict[int, Tensor] = {}
         self._scatter: list[dist.Work] = []
 
-    def post(self, e: Split, index: int, u: Tensor) -> None:
+    def post(self, e: Any, index: int, u: Tensor) -> None:
         """This rank's part `u` (shape `e.tp.part_shape(rank)`; the root may overwrite it) of
         `e`'s Newton-Schulz input; `index`: `e`'s place in the plan."""
         self._posted.append((e, index, u))
@@ -81,7 +73,7 @@ class TensorExchange:
             self._out[id(e)] = _part(O, lay, tp.rank)
         self._scatter = _batch(ops, "scatter")
 
-    def result(self, e: Split) -> Tensor:
+    def result(self, e: Any) -> Tensor:
         """This rank's part of `e`'s orthogonalized update (the caller may overwrite it)."""
         self.finish()
         return self._out.pop(id(e))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmuon_fn.ns._machine import cpu_flags, cpu_model
+from dmuon_fn.ns._dispatch import cpu_flags, cpu_model
 
 
 def interleaved_median(

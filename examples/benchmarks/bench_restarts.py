@@ -79,8 +79,7 @@ def main() -> None:
 
 def _small_gram(G: torch.Tensor, sched: tuple[int, ...]) -> torch.Tensor:
     """bf16 Gram NS below GRAM_MIN_SHORT, which `orthogonalize` refuses: same ops, run directly."""
-    from dmuon_fn.ns._coefficients import schedule
-    from dmuon_fn.ns._iteration import gram, normalize
+    from dmuon_fn.ns._iteration import gram, normalize, schedule
 
     tall = G.shape[0] > G.shape[1]
     X = normalize(G.T.contiguous() if tall else G, 1e-7).bfloat16()

@@ -142,7 +142,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "Polar Express coefficients of another preset",
-        "dmuon_fn/ns/_coefficients.py",
+        "dmuon_fn/ns/_iteration.py",
         '"polar_express": POLAR_EXPRESS,',
         '"polar_express": YOU,',
         (COEFF,),
@@ -293,21 +293,21 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "a Polar Express coefficient mistyped (two digits swapped)",
-        "dmuon_fn/ns/_coefficients.py",
+        "dmuon_fn/ns/_iteration.py",
         "(3.9486908534822946, -2.908902115962949, 0.5518191394370137),",
         "(3.9486908534822946, -2.908902151962949, 0.5518191394370137),",
         (COEFF,),
     ),
     Fault(
         "the safety factor applied with the wrong powers",
-        "dmuon_fn/ns/_coefficients.py",
+        "dmuon_fn/ns/_iteration.py",
         "(a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)",
         "(a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**2, c / POLAR_EXPRESS_SAFETY**3)",
         (COEFF,),
     ),
     Fault(
         "a long schedule cycles its rows instead of repeating the last",
-        "dmuon_fn/ns/_coefficients.py",
+        "dmuon_fn/ns/_iteration.py",
         "    return tuple(rows[min(i, len(rows) - 1)] for i in range(steps))",
         "    return tuple(rows[i % len(rows)] for i in range(steps))",
         (COEFF,),
