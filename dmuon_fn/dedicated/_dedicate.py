@@ -24,9 +24,8 @@ from ..planning._summary import plan_summary as _summarize
 from ..planning._view import RankView
 from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
-from ._entries import Entry
 from ._gather import install
-from ._state import STATE_ATTR, DedicatedState, dedicated_state
+from ._state import STATE_ATTR, DedicatedState, Entry, dedicated_state
 
 
 def dedicate_params(
@@ -117,12 +116,11 @@ def dedicate_params(
     of_old: dict[int, Entry] = {}  # id(the parameter replaced) -> its entry
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
-        dt = param_dtype or old.dtype
-        shard, rep = st.view.coords(names[0])
-        e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
+        dt, device = param_dtype or old.dtype, _mesh_device(mesh, old.device)
+        owner = st.view.coords(names[0])
+        e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, *owner, old, device)
         if tp is not None:
             e.tp = make_layout(p, tp, plan.tensor_slot(names[0]))
-        e.device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
             data = old.detach().to(e.device, master_dtype(old.dtype), copy=True)
         elif st.is_local_owner(e):
@@ -158,20 +156,16 @@ def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
 def _broadcast_copies(st: DedicatedState) -> None:
     """Equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
     HSDP's local owners the global owner's (one broadcast per parameter)."""
-    tp = st.tensor
-    for e in st.entries:
-        if tp is not None and tp.size > 1 and st.is_local_owner(e) and not e.tp.sharded:
+    tp, rep = st.tensor, st.replicate_group
+    mine = [e for e in st.entries if st.is_local_owner(e)]
+    for e in mine:
+        if tp is not None and not e.tp.sharded:
             with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
                 broadcast_into(e.param.detach(), 0, tp.group, tp.size)
-    if st.replicate_group is None:
-        return
-    for e in st.entries:
-        if st.is_local_owner(e):
-            buf = e.param.detach().to(e.dtype)
-            with phase(f"dedicate_params (replica sync of {e.name})"):
-                broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
-            if not st.is_global_owner(e):
-                e.param.detach().copy_(buf)
+    for e in mine if rep is not None else ():
+        # the global owner sends a cast copy of its master; `to` is a no-op elsewhere
+        with phase(f"dedicate_params (replica sync of {e.name})"):
+            broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, st.replicate_size)
 
 
 def _state_of(model: nn.Module) -> DedicatedState:
@@ -193,7 +187,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     backward sums each dedicated gradient on every rank (a full-shape buffer each) and reduces
     nothing; True (default): the next backward reduces those sums with its own gradients. Sets
     FSDP2's switch on every `fully_shard`ed module too."""
-    _state_of(model).scheduler.set_sync(requires_gradient_sync)
+    _state_of(model).scheduler.sync = bool(requires_gradient_sync)
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
 
 

@@ -19,9 +19,8 @@ from custom_ops._handles import new_handle
 
 from ..planning._partition import layer_keys
 from . import _fsdp_adapter as fsdp
-from ._entries import Entry, Group, Unit, make_groups
 from ._schedule import Scheduler
-from ._state import DedicatedState
+from ._state import DedicatedState, Entry, Group, Unit, make_groups
 
 
 class Slot:
@@ -53,9 +52,7 @@ class Slot:
         """dmuon::param_gather's runtime (in backward, a compiled Z3 block's re-gather)."""
         sched = self.st.scheduler
         if torch._C._current_graph_task_id() != -1:
-            value = sched.regather(self.unit).value(self.e)
-            sched.release(self.unit)
-            return value
+            return sched.regather(self.unit).value(self.e)
         owes = self.handle.requires_grad
         if owes and self.st.reshard_after_forward:
             self.unit.owed_regathers += 1
@@ -135,10 +132,8 @@ class _Z3Saver:
         if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
             return x
         _, unit, i, size, stride, offset = x
-        sched = self.st.scheduler
         with torch.no_grad():
-            flat = sched.regather(unit).flats[i]
-        sched.release(unit)
+            flat = self.st.scheduler.regather(unit).flats[i]
         return flat.as_strided(size, stride, offset)
 
 
@@ -157,12 +152,10 @@ def install(
         by_key.setdefault(unit_key[m], []).extend(e for _, e in s)
     units = {key: Unit(key, make_groups(es)) for key, es in by_key.items()}
     buckets = {m: make_groups([e for _, e in s]) for m, s in uses.items()}
-    bucket_of = {(m, id(e)): b for m, bs in buckets.items() for b in bs for e in b.entries}
-    all_buckets = [b for bs in buckets.values() for b in bs]
-    st.scheduler = Scheduler(st, list(units.values()), all_buckets, depth)
+    st.scheduler = Scheduler(st, list(units.values()), sum(buckets.values(), ()), depth)
     for m, s in uses.items():
-        unit = units[unit_key[m]]
-        _module_hooks(m, [(n, Slot(e, unit, bucket_of[m, id(e)], st)) for n, e in s], st)
+        of = {id(e): b for b in buckets[m] for e in b.entries}
+        _module_hooks(m, [(n, Slot(e, units[unit_key[m]], of[id(e)], st)) for n, e in s], st)
     for key, unit in units.items():
         holder = modules.get(key)
         if holder is not None and holder not in uses:  # a block around the parameters' modules

@@ -150,8 +150,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "dedicated gradients summed instead of averaged over data ranks",
         "dmuon_fn/dedicated/_schedule.py",
-        "grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)",
-        "grad = g.part(r.flat, i).to(e.param.dtype)",
+        "grad = g.part(flat, i).to(e.param.dtype).div_(scale)",
+        "grad = g.part(flat, i).to(e.param.dtype)",
         (DIST2,),
     ),
     Fault(
@@ -163,7 +163,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "one matrix's update made on a non-owner, and lost",
-        "dmuon_fn/dedicated/_muon_step.py",
+        "dmuon_fn/dedicated/_muon.py",
         "return e is None or st.is_global_owner(e)",
         "return e is None or st.is_global_owner(e) != (e is st.entries[0])",
         (DIST2,),
@@ -214,7 +214,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "a plan that gives one matrix two owners",
-        "dmuon_fn/dedicated/_entries.py",
+        "dmuon_fn/dedicated/_state.py",
         "return e.owner_shard == self.view.shard_rank and e.owner_replica =="
         " self.view.replica_rank",
         "return (e.owner_shard == self.view.shard_rank or 'gate_proj' in e.name)"
@@ -223,7 +223,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "max_grad_norm ignored by the object API",
-        "dmuon_fn/dedicated/_muon_step.py",
+        "dmuon_fn/dedicated/_muon.py",
         "None if self.clipped else cfg.max_grad_norm",
         "None",
         (TRAIN + "::test_max_grad_norm_in_step_equals_explicit_clip",),
