@@ -148,12 +148,9 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         self.st.scheduler.wait_reduces()
         ok = self.guard.check()
+        as_tensors = ("lr", "weight_decay")  # hyperparameters the updates take as 0-d tensors
         hyper = {
-            id(g): {
-                **g,
-                "lr": torch.tensor(g["lr"], dtype=torch.float32),
-                "weight_decay": torch.tensor(g["weight_decay"], dtype=torch.float32),
-            }
+            id(g): {**g, **{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}}
             for g in self.param_groups
         }
         # with gather_in_step, every unit's parameters are updated before its gather is issued
@@ -268,17 +265,13 @@ class GradGuard:
         self.skipped_steps, self.grad_norm = guard.counters(st.entries[0].param.device)
         self.names = {id(p): n for n, p in model.named_parameters()}
         # the tensor ranks' equal copies count once, on tensor rank 0: elsewhere, the ids of the
-        # dedicated parameters TP does not split, and of the others whose mesh (if any) has no
-        # other tensor rank (an FSDP2 shard over the data mesh alone)
+        # parameters TP does not split whose mesh (if any) has no other tensor rank (dedicated
+        # ones are plain tensors; an FSDP2 shard over the data mesh alone)
         tp, self.copies = st.tensor, set()
         if tp is not None and tp.size > 1 and tp.rank != 0:
             peers = set(tp.mesh.mesh.flatten().tolist()) - {dist.get_rank()}
-            for p in model.parameters():
-                e = st.entry(p)
-                if (e is not None and not e.tp.sharded) or (
-                    e is None and not fsdp.mesh_ranks(p) & peers
-                ):
-                    self.copies.add(id(p))
+            ps = [p for p in model.parameters() if (e := st.entry(p)) is None or not e.tp.sharded]
+            self.copies = {id(p) for p in ps if not fsdp.mesh_ranks(p) & peers}
         self.forget()
 
     def forget(self) -> None:

@@ -82,11 +82,8 @@ class Cursor:
     def prefetch(self) -> None:
         if self.pos < 0:
             return
-        if self.step > 0:
-            stop = min(self.pos + self.depth, len(self.order))
-        else:
-            stop = max(self.pos - self.depth, -1)
-        for j in range(self.pos, stop, self.step):
+        end = len(self.order) if self.step > 0 else -1
+        for j in range(self.pos, end, self.step)[: self.depth]:
             if j not in self.ahead:
                 self.ahead[j] = self.issue(self.order[j], self.what)
 
@@ -236,11 +233,8 @@ class Scheduler:
         if g.flat is None:
             g.flat = torch.empty(g.numel, dtype=g.reduce_dtype, device=g.device)
         part = g.part(g.flat, i)
-        if g.has[i]:
-            part.add_(grad)
-        else:
-            part.copy_(grad)
-            g.has[i] = True
+        part.add_(grad) if g.has[i] else part.copy_(grad)
+        g.has[i] = True
         g.owed[i] = max(0, g.owed[i] - 1)
         if self.sync and not any(g.owed):
             self.ready.append(g)

@@ -1,14 +1,10 @@
-"""What `dedicate_params` attaches to a model: an `Entry` per dedicated parameter, the groups and
-plan view they move over (`DedicatedState`), the `Group`s and `Unit`s they move in.
-
-The *local owner* (shard rank `owner_shard` of every replica) holds the full parameter between
-steps, the *global owner* (owner_shard, owner_replica) holds it in fp32 with its optimizer state,
-every other rank a 0-size placeholder; under tensor parallelism, this tensor rank's part. A
-*unit* (one layer's modules, keyed as `planning/_partition.layer_keys` keys layers) is gathered
-per `Group` of its entries; one module's groups are its reduce buckets. Under HSDP each step ends
-with the global owner broadcasting the new value, in the model dtype, to the other replicas'
-local owners (proofs/dedicated_notes.md).
-"""
+"""What `dedicate_params` attaches to a model: an `Entry` per dedicated parameter, the `Group`s
+and `Unit`s it moves in, and `DedicatedState` (process groups, this rank's view of the plan, the
+HSDP publish). The *local owner* (shard rank `owner_shard` of every replica) holds the full
+parameter between steps, the *global owner* (owner_shard, owner_replica) holds it in fp32 with
+its optimizer state, every other rank a 0-size placeholder (tensor parallelism: this tensor
+rank's part). A *unit* is one layer's modules (keyed as `planning/_partition.layer_keys`),
+gathered per `Group`; one module's groups are its reduce buckets (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -33,14 +29,13 @@ STATE_ATTR = "_dmuon_state"
 
 
 def broadcast_start(t: Tensor, src: int, group: dist.ProcessGroup, what: str) -> dist.Work | None:
-    """custom_ops' broadcast of `t` from group rank `src`, in place (None on a group of one); a
-    failure names `what`."""
+    """Issue the in-place broadcast from group rank `src` (None on a group of one)."""
     with phase(what):
         return issue_broadcast(t, src, group, dist.get_world_size(group))
 
 
 def wait_work(work: dist.Work, what: str) -> None:
-    """Block on `work`, counted as blocked time; a failure names `what`."""
+    """Block on `work`, counted as blocked time."""
     with blocked(), phase(what):
         work.wait()
 
@@ -60,7 +55,7 @@ class Entry:
     device: torch.device  # param's: compiled hooks read this, never `param`
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
-    # one custom_ops._handles handle per module slot (dedicated/_gather.Slot), requiring grad as
+    # one custom_ops._handles handle per module slot (dedicated/_dedicate.Slot), requiring grad as
     # `param` does; backward sets its .grad when it reaches that slot's gather
     handles: list[Tensor] = field(default_factory=list)
 
@@ -111,7 +106,7 @@ class Unit:
     key: str
     groups: tuple[Group, ...]
     owed_regathers: int = 0  # Z3 backward: re-gathered values still to be taken
-    handles: list[Tensor] = field(default_factory=list)  # of its slots (dedicated/_gather.py)
+    handles: list[Tensor] = field(default_factory=list)  # of its slots (dedicated/_dedicate.py)
 
 
 def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
@@ -125,8 +120,7 @@ def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
 
 @dataclass(eq=False)
 class DedicatedState:
-    """What `dedicate_params` attaches to the model (`model._dmuon_state`): the groups dedicated
-    parameters move over, this rank's view of the plan, the entries."""
+    """`model._dmuon_state`."""
 
     view: RankView
     shard_group: dist.ProcessGroup
@@ -135,7 +129,7 @@ class DedicatedState:
     tensor: TensorMesh | None = None  # the tensor-parallel ranks
     entries: list[Entry] = field(default_factory=list)
     by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
-    scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_gather.install
+    scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_dedicate.install
 
     plan = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)
@@ -152,9 +146,9 @@ class DedicatedState:
         return e.owner_shard == self.view.shard_rank and e.owner_replica == self.view.replica_rank
 
     def publish(self, asynchronous: bool) -> None:
-        """Every entry forgets `touched` and follows `param.requires_grad`; under HSDP the local
-        owners of the touched ones take the global owner's value (`asynchronous`: waited for
-        before its next gather or update)."""
+        """After a step: every entry forgets `touched`; under HSDP the local owners of the touched
+        ones take the global owner's new value (`asynchronous`: waited for before its next
+        gather or update)."""
         for e in self.entries:
             touched = e.touched
             for h in e.handles:

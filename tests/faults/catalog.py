@@ -238,8 +238,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "an lr schedule ignored by the object API (the initial lr used)",
         "dmuon_fn/dedicated/_muon.py",
-        'torch.tensor(g["lr"], dtype=torch.float32),',
-        'torch.tensor(g.get("initial_lr", g["lr"]), dtype=torch.float32),',
+        "{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}",
+        '{k: torch.tensor(g.get("initial_" + k, g[k]), dtype=torch.float32) for k in as_tensors}',
         (FN1,),
     ),
     Fault(
@@ -252,13 +252,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "Z3's backward re-gathers not prefetched",
         "dmuon_fn/dedicated/_schedule.py",
-        "stop = max(self.pos - self.depth, -1)",
-        "stop = max(self.pos, -1)",
+        "end = len(self.order) if self.step > 0 else -1",
+        "end = len(self.order) if self.step > 0 else self.pos",
         (PREFETCH_DEPTH,),
     ),
     Fault(
         "a forward that raises keeps its saved-tensor hooks",
-        "dmuon_fn/dedicated/_gather.py",
+        "dmuon_fn/dedicated/_dedicate.py",
         "            saver.leave()  # a no-op unless the last forward raised",
         "            pass",
         (T + "test_compile_blocks.py::test_a_forward_that_raises_leaves_no_trace",),
