@@ -1,11 +1,8 @@
-"""dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
-
-A pre-hook sets each dedicated parameter's full value as an instance attribute, a post-hook drops
-it, backward deposits its gradient: eager through `_Gather`, compiled through the dmuon:: ops,
-which see a slot's handle, shape, dtype and device only. Z3 re-gathers in backward (eager:
-`_Z3Saver`; compiled: `torch.utils.checkpoint`). Who holds what: dedicated/_state.py; the
-scheduler: dedicated/_schedule.py; why the gradients come out exact: proofs/dedicate.md; why it
-is shaped so: proofs/dedicated_notes.md.
+"""dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward
+(proofs/dedicate.md, proofs/dedicated_notes.md). A pre-hook sets each dedicated parameter's full
+value as an instance attribute, a post-hook drops it, backward deposits its gradient: eager
+through `_Gather`, compiled through the dmuon:: ops, which see a slot's handle, shape, dtype and
+device only. Z3 re-gathers in backward (eager: `_Z3Saver`; compiled: `torch.utils.checkpoint`).
 """
 
 from __future__ import annotations
@@ -148,7 +145,16 @@ def dedicate_params(
                 module._parameters[pname] = e.param
                 uses.setdefault(module, []).append((pname, e))
     install(model, st, uses, prefetch)
-    _broadcast_copies(st)
+    # equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
+    # HSDP's local owners the global owner's (its master, cast; `to` is a no-op elsewhere)
+    mine, rep = [e for e in st.entries if st.is_local_owner(e)], st.replicate_group
+    for e in mine:
+        if tp is not None and not e.tp.sharded:
+            with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
+                broadcast_into(e.param.detach(), 0, tp.group, tp.size)
+    for e in mine if rep is not None else ():
+        with phase(f"dedicate_params (replica sync of {e.name})"):
+            broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, R)
     setattr(model, STATE_ATTR, st)
     return {n: plan.owner(e.name) for e in st.entries for n in e.names}
 
@@ -161,33 +167,11 @@ def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
     return current if current.type == mesh.device_type else torch.device(mesh.device_type)
 
 
-def _broadcast_copies(st: DedicatedState) -> None:
-    """Equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
-    HSDP's local owners the global owner's (one broadcast per parameter)."""
-    tp, rep = st.tensor, st.replicate_group
-    mine = [e for e in st.entries if st.is_local_owner(e)]
-    for e in mine:
-        if tp is not None and not e.tp.sharded:
-            with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
-                broadcast_into(e.param.detach(), 0, tp.group, tp.size)
-    for e in mine if rep is not None else ():
-        # the global owner sends a cast copy of its master; `to` is a no-op elsewhere
-        with phase(f"dedicate_params (replica sync of {e.name})"):
-            broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, st.replicate_size)
-
-
-def _state_of(model: nn.Module) -> DedicatedState:
-    st = dedicated_state(model)
-    if st is None:
-        raise ValueError("this model has no dedicated parameters: call dedicate_params first")
-    return st
-
-
 def wait_gradients(model: nn.Module) -> None:
     """Block until backward's dedicated gradient reduces have landed in the global owners'
     `.grad`. Muon's `step`, `clip_grad_norm_`, `zero_grad`, the checkpoints and the next forward
     wait by themselves; call this before other code reads or zeroes those `.grad`s."""
-    _state_of(model).scheduler.wait_reduces()
+    dedicated_state(model, required=True).scheduler.wait_reduces()
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -195,7 +179,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     backward sums each dedicated gradient on every rank (a full-shape buffer each) and reduces
     nothing; True (default): the next backward reduces those sums with its own gradients. Sets
     FSDP2's switch on every `fully_shard`ed module too."""
-    _state_of(model).scheduler.sync = bool(requires_gradient_sync)
+    dedicated_state(model, required=True).scheduler.sync = bool(requires_gradient_sync)
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
 
 
@@ -204,7 +188,7 @@ def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSumm
     gemm_flops: one device's GEMM FLOP/s in the NS iteration dtype (`measure_gemm_flops()`, or
     e.g. 4e14 for an H100 in bf16) adds the busiest rank's Newton-Schulz seconds per step."""
     if isinstance(source, nn.Module):
-        source = _state_of(source).plan
+        source = dedicated_state(source, required=True).plan
     return _summarize(source, gemm_flops=gemm_flops)
 
 
@@ -225,10 +209,10 @@ class Slot:
             e.follow_requires_grad()
             owes = torch.is_grad_enabled() and self.handle.requires_grad
             return _Gather.apply(self.handle, self, owes)
-        args = (self.handle, list(e.shape), e.dtype, e.device)
+        gather, args = torch.ops.dmuon.param_gather, (self.handle, list(e.shape), e.dtype, e.device)
         if self.st.reshard_after_forward:  # recomputed in backward instead of saved
-            return checkpoint(_gather_op, *args, use_reentrant=False)
-        return _gather_op(*args)
+            return checkpoint(gather, *args, use_reentrant=False)
+        return gather(*args)
 
     def start(self) -> None:  # dmuon::gather_start's runtime
         self.st.scheduler.open_unit(self.unit)
@@ -262,13 +246,6 @@ class _Gather(torch.autograd.Function):
         return torch.ones(1, dtype=torch.float64, device="cpu"), None, None
 
 
-def _gather_op(handle: Tensor, shape: list[int], dtype: torch.dtype, device: torch.device):
-    return torch.ops.dmuon.param_gather(handle, shape, dtype, device)
-
-
-_HANDLE, _DTENSOR = object(), object()  # tags of what `_Z3Saver.pack` keeps
-
-
 class _Z3Saver:
     """Eager Z3: saved-tensor hooks that keep (unit, group, view geometry) of gathered values and
     re-gather the unit when backward unpacks one; entered by a module's pre-hook, left by its
@@ -300,7 +277,7 @@ class _Z3Saver:
         parts = fsdp.dtensor_unwrap(t)
         if parts is not None:  # a tensor-parallel part, as the module computes with it
             inner = self.pack(parts[0])
-            return t if inner is parts[0] else (_DTENSOR, inner, parts[1], t.requires_grad)
+            return t if inner is parts[0] else (inner, parts[1], t.requires_grad)
         # another subclass has no storage of its own to look up and is never one of ours
         if t.device.type == "meta" or type(t) not in (Tensor, nn.Parameter):
             return t
@@ -308,15 +285,17 @@ class _Z3Saver:
         if hit is None or hit[2]() is None:
             return t
         hit[0].owed_regathers += 1
-        return (_HANDLE, hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
+        return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
-        if isinstance(x, tuple) and x and x[0] is _DTENSOR:
-            _, inner, spec, requires_grad = x
-            return fsdp.dtensor_wrap(self.unpack(inner), spec, requires_grad)
-        if not (isinstance(x, tuple) and x and x[0] is _HANDLE):
+        """What `pack` kept: a tensor, a DTensor's (inner, spec, requires_grad), or a gathered
+        value's (unit, group index, view geometry)."""
+        if isinstance(x, Tensor):
             return x
-        _, unit, i, size, stride, offset = x
+        if len(x) == 3:
+            inner, spec, requires_grad = x
+            return fsdp.dtensor_wrap(self.unpack(inner), spec, requires_grad)
+        unit, i, size, stride, offset = x
         with torch.no_grad():
             flat = self.st.scheduler.regather(unit).flats[i]
         return flat.as_strided(size, stride, offset)

@@ -153,9 +153,8 @@ class Muon(torch.optim.Optimizer):
             id(g): {**g, **{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}}
             for g in self.param_groups
         }
-        # with gather_in_step, every unit's parameters are updated before its gather is issued
-        # (unit by unit in the recorded order, the rest first); otherwise the order is the
-        # param groups': the updates are independent, so the results are the same either way
+        # gather_in_step: unit by unit in the recorded order (the rest first), each unit's
+        # gathers issued once its parameters are updated; else the param groups' order
         sched = self.st.scheduler
         first = sched.step_gathers(self.gather_in_step)  # id(param) -> its first unit
         items = [(g, p) for g in self.param_groups for p in g["params"]]
@@ -173,8 +172,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _update(self, kind: str, p: Tensor, group: dict, ok: Tensor | None, exchange) -> None:
-        """`p`'s update where this rank makes it, written in place, masked by `ok`; `group` has
-        lr and weight_decay as tensors."""
+        """`p`'s update where this rank makes it, in place, masked by `ok`."""
         if not steps_here(self.st, p):
             return
         e = self.st.entry(p)
@@ -246,8 +244,8 @@ class Muon(torch.optim.Optimizer):
                     state[k] = v.to(dtype)
 
     def wait_publish(self) -> None:
-        """Block until the last backward's reduces and the last step's publishes (and gathers
-        issued for the next forward) have landed."""
+        """Block until the last backward's reduces and the last step's publishes and gathers
+        have landed."""
         self.st.scheduler.wait_reduces()
         for flight in self.st.scheduler.forward.ahead.values():
             flight.wait()
@@ -264,9 +262,8 @@ class GradGuard:
         self.st, self.config, self.groups = st, config, groups
         self.skipped_steps, self.grad_norm = guard.counters(st.entries[0].param.device)
         self.names = {id(p): n for n, p in model.named_parameters()}
-        # the tensor ranks' equal copies count once, on tensor rank 0: elsewhere, the ids of the
-        # parameters TP does not split whose mesh (if any) has no other tensor rank (dedicated
-        # ones are plain tensors; an FSDP2 shard over the data mesh alone)
+        # equal copies on every tensor rank count once, on tensor rank 0: off it, the parameters
+        # TP does not split whose mesh (if any) has no other tensor rank (e.g. FSDP2's alone)
         tp, self.copies = st.tensor, set()
         if tp is not None and tp.size > 1 and tp.rank != 0:
             peers = set(tp.mesh.mesh.flatten().tolist()) - {dist.get_rank()}
@@ -274,8 +271,7 @@ class GradGuard:
             self.copies = {id(p) for p in ps if not fsdp.mesh_ranks(p) & peers}
         self.forget()
 
-    def forget(self) -> None:
-        """The gradients may change: take the norm afresh, and clip again, next time."""
+    def forget(self) -> None:  # the gradients may change: a new norm, and clip again, next time
         self._sq: Tensor | None = None
         self.clipped = False
 
@@ -337,9 +333,8 @@ class GradGuard:
 
 
 def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[dict[str, Any]]:
-    """The torch.optim param groups "muon" (dedicated matrices) and "adamw" (the rest), each
-    only where it has parameters. Every parameter's gradient must be synchronized: dedicated,
-    or sharded by fully_shard."""
+    """The param groups "muon" (dedicated matrices) and "adamw" (the rest), where not empty;
+    raises unless every gradient is synchronized (dedicated, or sharded by fully_shard)."""
     muon, adamw = [], []
     for p in model.parameters():
         e = st.entry(p)

@@ -74,7 +74,8 @@ class Cursor:
             flight = self.ahead.pop(self.pos, None)
             self.pos += self.step
         else:
-            self.stop()
+            self.drain()
+            self.pos = -1
         flight = flight or self.issue(unit, self.what)
         self.prefetch()
         return flight
@@ -92,10 +93,6 @@ class Cursor:
         for pos in sorted(self.ahead):
             self.ahead[pos].wait()
         self.ahead.clear()
-
-    def stop(self) -> None:
-        self.drain()
-        self.pos = -1
 
 
 class Scheduler:
@@ -146,13 +143,15 @@ class Scheduler:
             )
         for unit in self.units:
             unit.owed_regathers = 0
-        self._forget_owed()
+        for g in self.buckets:
+            g.owed = [0] * len(g.entries)
         self.open, self.current = None, []
         self.forward.restart(self.order)
         self.forward.prefetch()
 
     def end_forward(self) -> None:
-        self.forward.stop()
+        self.forward.drain()
+        self.forward.restart([])  # off the order until the next forward
         self.open = None
         if self.current:
             self.order, self.current = self.current, []
@@ -205,8 +204,7 @@ class Scheduler:
         self.from_step = None
 
     def regather(self, unit: Unit) -> Flight:
-        """Z3 backward: `unit`'s values again (one re-gather for all of them), for one of its
-        owed uses; the copy goes once none is owed."""
+        """Z3 backward: `unit`'s values again, for one owed use (the copy goes after the last)."""
         self._flush()
         flight = self.landed.pop(id(unit), None) or self.backward.take(unit)
         unit.owed_regathers = max(0, unit.owed_regathers - 1)
@@ -218,10 +216,6 @@ class Scheduler:
         self.backward.drain()
         self.landed.clear()
         self.backward.restart(self.order)
-
-    def _forget_owed(self) -> None:
-        for g in self.buckets:
-            g.owed = [0] * len(g.entries)
 
     def deposit(self, g: Group, e: Entry, grad: Tensor) -> None:
         """Add the gradient (shape `e.shape`) of one handed-out value of `e` into bucket `g`."""
@@ -244,11 +238,10 @@ class Scheduler:
     def _end_backward(self) -> None:
         """Reduce every sum (sync on), complete or not."""
         self.pass_open = False
+        for g in self.buckets:
+            g.owed = [0] * len(g.entries)
+        self.ready += self.buckets if self.sync else []  # after the complete ones
         self._flush()
-        self._forget_owed()
-        if self.sync:
-            for g in self.buckets:
-                self._reduce(g)
         self._restart_backward()
 
     def _flush(self) -> None:  # the sums made complete since the last call

@@ -55,8 +55,8 @@ class Entry:
     device: torch.device  # param's: compiled hooks read this, never `param`
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
-    # one custom_ops._handles handle per module slot (dedicated/_dedicate.Slot), requiring grad as
-    # `param` does; backward sets its .grad when it reaches that slot's gather
+    # custom_ops._handles handles, one per module slot (dedicated/_dedicate.Slot), requiring grad
+    # as `param` does; backward sets one's .grad when it reaches that slot's gather
     handles: list[Tensor] = field(default_factory=list)
 
     is_matrix = property(lambda self: len(self.shape) >= 2)
@@ -138,7 +138,6 @@ class DedicatedState:
     def entry(self, p: Tensor) -> Entry | None:
         return self.by_param.get(id(p))
 
-    # an entry's owner was read from this view when it was made: compare, no plan lookup
     def is_local_owner(self, e: Entry) -> bool:
         return e.owner_shard == self.view.shard_rank
 
@@ -165,5 +164,8 @@ class DedicatedState:
                 e.wait_publish()
 
 
-def dedicated_state(model: nn.Module) -> DedicatedState | None:
-    return getattr(model, STATE_ATTR, None)
+def dedicated_state(model: nn.Module, required: bool = False) -> DedicatedState | None:
+    st = getattr(model, STATE_ATTR, None)
+    if st is None and required:
+        raise ValueError("this model has no dedicated parameters: call dedicate_params first")
+    return st
