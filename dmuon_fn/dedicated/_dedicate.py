@@ -110,14 +110,10 @@ def dedicate_params(
     tp = None
     if tmesh is not None:
         tp = TensorMesh(tmesh, own_group(tmesh.get_group()), tmesh.get_local_rank(), tmesh.size())
-    replica_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
-    st = DedicatedState(
-        view=RankView(plan, mesh.get_local_rank(), replica_rank),
-        shard_group=own_group(mesh.get_group()),
-        replicate_group=None if replicate_mesh is None else own_group(replicate_mesh.get_group()),
-        reshard_after_forward=reshard_after_forward,
-        tensor=tp,
-    )
+    groups = [None if m is None else own_group(m.get_group()) for m in (mesh, replicate_mesh)]
+    replica = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
+    view = RankView(plan, mesh.get_local_rank(), replica)
+    st = DedicatedState(view, *groups, reshard_after_forward, tp)
     of_old: dict[int, Entry] = {}  # id(the parameter replaced) -> its entry
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
@@ -307,10 +303,9 @@ def install(
     """Set `st.scheduler` and its hooks for `uses` (module -> its (attribute, entry) pairs): a
     unit per layer, a bucket per module and owner, a slot per (module, attribute)."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    names = {m: n for n, m in modules.items()}
-    path = {m: f"{names[m]}.{pname}".lstrip(".") for m, s in uses.items() for pname, _ in s[:1]}
+    path = {m: f"{n}.{uses[m][0][0]}".lstrip(".") for n, m in modules.items() if m in uses}
     keys = layer_keys(path.values())
-    unit_key = {m: keys[path[m]] for m in uses}
+    unit_key = {m: keys[p] for m, p in path.items()}
     by_key: dict[str, list[Entry]] = {}  # an entry in several units is gathered for each
     for m, s in uses.items():
         by_key.setdefault(unit_key[m], []).extend(e for _, e in s)
