@@ -1,32 +1,36 @@
-"""dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward.
-
-Who holds what: dedicated/_entries.py; the scheduler: dedicated/_schedule.py; the hooks:
-dedicated/_gather.py. Why the gradients come out exact: proofs/dedicate.md.
+"""dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward
+(proofs/dedicate.md, proofs/dedicated_notes.md). A pre-hook sets each dedicated parameter's full
+value as an instance attribute, a post-hook drops it, backward deposits its gradient: eager
+through `_Gather`, compiled through the dmuon:: ops, which see a slot's handle, shape, dtype and
+device only. Z3 re-gathers in backward (eager: `_Z3Saver`; compiled: `torch.utils.checkpoint`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
 from custom_ops._collectives import broadcast_into
+from custom_ops._handles import new_handle
 
 from ..comm._errors import phase
 from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
-from ..planning._partition import partition
+from ..planning._partition import layer_keys, partition
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
 from ..planning._view import RankView
 from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
-from ._entries import Entry
-from ._gather import install
-from ._state import STATE_ATTR, DedicatedState, dedicated_state
+from ._schedule import Scheduler
+from ._state import STATE_ATTR, DedicatedState, Entry, Group, Unit, dedicated_state, make_groups
 
 
 def dedicate_params(
@@ -59,7 +63,7 @@ def dedicate_params(
     """
     if dedicated_state(model) is not None:
         raise ValueError("dedicate_params was already applied to this model")
-    if fsdp.is_fully_sharded(model):
+    if fsdp.fsdp_modules(model):
         raise ValueError(
             "dedicate_params must run before fully_shard: FSDP2 already manages parameters of "
             "this model. Call dedicate_params(model, ...) first, then fully_shard"
@@ -106,23 +110,18 @@ def dedicate_params(
     tp = None
     if tmesh is not None:
         tp = TensorMesh(tmesh, own_group(tmesh.get_group()), tmesh.get_local_rank(), tmesh.size())
-    replica_rank = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
-    st = DedicatedState(
-        view=RankView(plan, mesh.get_local_rank(), replica_rank),
-        shard_group=own_group(mesh.get_group()),
-        replicate_group=None if replicate_mesh is None else own_group(replicate_mesh.get_group()),
-        reshard_after_forward=reshard_after_forward,
-        tensor=tp,
-    )
+    groups = [None if m is None else own_group(m.get_group()) for m in (mesh, replicate_mesh)]
+    replica = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
+    view = RankView(plan, mesh.get_local_rank(), replica)
+    st = DedicatedState(view, *groups, reshard_after_forward, tp)
     of_old: dict[int, Entry] = {}  # id(the parameter replaced) -> its entry
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
-        dt = param_dtype or old.dtype
-        shard, rep = st.view.coords(names[0])
-        e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, shard, rep, old)
+        dt, device = param_dtype or old.dtype, _mesh_device(mesh, old.device)
+        owner = st.view.coords(names[0])
+        e = Entry(names[0], tuple(names), old.shape, dt, reduce_dtype or dt, *owner, old, device)
         if tp is not None:
             e.tp = make_layout(p, tp, plan.tensor_slot(names[0]))
-        e.device = _mesh_device(mesh, old.device)
         if st.is_global_owner(e):
             data = old.detach().to(e.device, master_dtype(old.dtype), copy=True)
         elif st.is_local_owner(e):
@@ -142,7 +141,16 @@ def dedicate_params(
                 module._parameters[pname] = e.param
                 uses.setdefault(module, []).append((pname, e))
     install(model, st, uses, prefetch)
-    _broadcast_copies(st)
+    # equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
+    # HSDP's local owners the global owner's (its master, cast; `to` is a no-op elsewhere)
+    mine, rep = [e for e in st.entries if st.is_local_owner(e)], st.replicate_group
+    for e in mine:
+        if tp is not None and not e.tp.sharded:
+            with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
+                broadcast_into(e.param.detach(), 0, tp.group, tp.size)
+    for e in mine if rep is not None else ():
+        with phase(f"dedicate_params (replica sync of {e.name})"):
+            broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, R)
     setattr(model, STATE_ATTR, st)
     return {n: plan.owner(e.name) for e in st.entries for n in e.names}
 
@@ -155,37 +163,11 @@ def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
     return current if current.type == mesh.device_type else torch.device(mesh.device_type)
 
 
-def _broadcast_copies(st: DedicatedState) -> None:
-    """Equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
-    HSDP's local owners the global owner's (one broadcast per parameter)."""
-    tp = st.tensor
-    for e in st.entries:
-        if tp is not None and tp.size > 1 and st.is_local_owner(e) and not e.tp.sharded:
-            with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
-                broadcast_into(e.param.detach(), 0, tp.group, tp.size)
-    if st.replicate_group is None:
-        return
-    for e in st.entries:
-        if st.is_local_owner(e):
-            buf = e.param.detach().to(e.dtype)
-            with phase(f"dedicate_params (replica sync of {e.name})"):
-                broadcast_into(buf, e.owner_replica, st.replicate_group, st.replicate_size)
-            if not st.is_global_owner(e):
-                e.param.detach().copy_(buf)
-
-
-def _state_of(model: nn.Module) -> DedicatedState:
-    st = dedicated_state(model)
-    if st is None:
-        raise ValueError("this model has no dedicated parameters: call dedicate_params first")
-    return st
-
-
 def wait_gradients(model: nn.Module) -> None:
     """Block until backward's dedicated gradient reduces have landed in the global owners'
     `.grad`. Muon's `step`, `clip_grad_norm_`, `zero_grad`, the checkpoints and the next forward
     wait by themselves; call this before other code reads or zeroes those `.grad`s."""
-    _state_of(model).scheduler.wait_reduces()
+    dedicated_state(model, required=True).scheduler.wait_reduces()
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -193,7 +175,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     backward sums each dedicated gradient on every rank (a full-shape buffer each) and reduces
     nothing; True (default): the next backward reduces those sums with its own gradients. Sets
     FSDP2's switch on every `fully_shard`ed module too."""
-    _state_of(model).scheduler.set_sync(requires_gradient_sync)
+    dedicated_state(model, required=True).scheduler.sync = bool(requires_gradient_sync)
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
 
 
@@ -202,5 +184,185 @@ def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSumm
     gemm_flops: one device's GEMM FLOP/s in the NS iteration dtype (`measure_gemm_flops()`, or
     e.g. 4e14 for an H100 in bf16) adds the busiest rank's Newton-Schulz seconds per step."""
     if isinstance(source, nn.Module):
-        source = _state_of(source).plan
+        source = dedicated_state(source, required=True).plan
     return _summarize(source, gemm_flops=gemm_flops)
+
+
+class Slot:
+    """One module attribute's use of one entry: gathered with `unit`, its gradient reduced into
+    `bucket`; the custom_ops._handles Handler of its `handle`."""
+
+    def __init__(self, e: Entry, unit: Unit, bucket: Group, st: DedicatedState) -> None:
+        self.e, self.unit, self.bucket, self.st = e, unit, bucket, st
+        self.handle = new_handle(self).requires_grad_(e.param.requires_grad)
+        e.handles.append(self.handle)
+        unit.handles.append(self.handle)
+
+    def value(self) -> Tensor:
+        """The entry's full value (`e.shape`, `e.dtype`); autograd sums its gradient back."""
+        e = self.e
+        if not torch.compiler.is_compiling():
+            e.follow_requires_grad()
+            owes = torch.is_grad_enabled() and self.handle.requires_grad
+            return _Gather.apply(self.handle, self, owes)
+        gather, args = torch.ops.dmuon.param_gather, (self.handle, list(e.shape), e.dtype, e.device)
+        if self.st.reshard_after_forward:  # recomputed in backward instead of saved
+            return checkpoint(gather, *args, use_reentrant=False)
+        return gather(*args)
+
+    def start(self) -> None:  # dmuon::gather_start's runtime
+        self.st.scheduler.open_unit(self.unit)
+
+    def gather(self) -> Tensor:
+        """dmuon::param_gather's runtime (in backward, a compiled Z3 block's re-gather)."""
+        sched = self.st.scheduler
+        if torch._C._current_graph_task_id() != -1:
+            return sched.regather(self.unit).value(self.e)
+        owes = self.handle.requires_grad
+        if owes and self.st.reshard_after_forward:
+            self.unit.owed_regathers += 1
+        return sched.value(self.e, self.unit, self.bucket if owes else None)
+
+    def reduce(self, grad: Tensor) -> None:
+        if self.e.param.requires_grad:  # frozen since the last step: every rank skips alike
+            self.st.scheduler.deposit(self.bucket, self.e, grad)
+
+
+class _Gather(torch.autograd.Function):
+    """Eager: the slot's value; backward deposits its gradient and gives the handle one."""
+
+    @staticmethod
+    def forward(ctx, handle: Tensor, slot: Slot, owes_grad: bool) -> Tensor:
+        ctx.slot = slot
+        return slot.st.scheduler.value(slot.e, slot.unit, slot.bucket if owes_grad else None)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.slot.reduce(grad)
+        return torch.ones(1, dtype=torch.float64, device="cpu"), None, None
+
+
+class _Z3Saver:
+    """Eager Z3: saved-tensor hooks that keep (unit, group, view geometry) of gathered values and
+    re-gather the unit when backward unpacks one; entered by a module's pre-hook, left by its
+    post-hook."""
+
+    def __init__(self, st: DedicatedState) -> None:
+        self.st = st
+        # storage ptr of a gathered group buffer -> (unit, group index, the buffer weakly: a ptr
+        # is trusted only while its buffer lives)
+        self.live: dict[int, tuple[Unit, int, weakref.ref]] = {}
+        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def enter(self, unit: Unit) -> None:
+        for i, flat in enumerate(self.st.scheduler.open_unit(unit).flats):
+            self.live[flat.untyped_storage().data_ptr()] = (unit, i, weakref.ref(flat))
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.ctx.__enter__()
+
+    def leave(self) -> None:
+        """Pop our hooks if they are on top (they are unless a forward raised in between)."""
+        if self.ctx is not None:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top is not None and top[0] == self.pack:
+                self.ctx.__exit__(None, None, None)
+            self.ctx = None
+        self.live.clear()
+
+    def pack(self, t: Tensor):
+        parts = fsdp.dtensor_unwrap(t)
+        if parts is not None:  # a tensor-parallel part, as the module computes with it
+            inner = self.pack(parts[0])
+            return t if inner is parts[0] else (inner, parts[1], t.requires_grad)
+        # another subclass has no storage of its own to look up and is never one of ours
+        if t.device.type == "meta" or type(t) not in (Tensor, nn.Parameter):
+            return t
+        hit = self.live.get(t.untyped_storage().data_ptr())
+        if hit is None or hit[2]() is None:
+            return t
+        hit[0].owed_regathers += 1
+        return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, x):
+        """What `pack` kept: a tensor, a DTensor's (inner, spec, requires_grad), or a gathered
+        value's (unit, group index, view geometry)."""
+        if isinstance(x, Tensor):
+            return x
+        if len(x) == 3:
+            inner, spec, requires_grad = x
+            return fsdp.dtensor_wrap(self.unpack(inner), spec, requires_grad)
+        unit, i, size, stride, offset = x
+        with torch.no_grad():
+            flat = self.st.scheduler.regather(unit).flats[i]
+        return flat.as_strided(size, stride, offset)
+
+
+def install(
+    model: nn.Module, st: DedicatedState, uses: dict[nn.Module, list[tuple[str, Entry]]], depth: int
+) -> None:
+    """Set `st.scheduler` and its hooks for `uses` (module -> its (attribute, entry) pairs): a
+    unit per layer, a bucket per module and owner, a slot per (module, attribute)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    path = {m: f"{n}.{uses[m][0][0]}".lstrip(".") for n, m in modules.items() if m in uses}
+    keys = layer_keys(path.values())
+    unit_key = {m: keys[p] for m, p in path.items()}
+    by_key: dict[str, list[Entry]] = {}  # an entry in several units is gathered for each
+    for m, s in uses.items():
+        by_key.setdefault(unit_key[m], []).extend(e for _, e in s)
+    units = {key: Unit(key, make_groups(es)) for key, es in by_key.items()}
+    buckets = {m: make_groups([e for _, e in s]) for m, s in uses.items()}
+    st.scheduler = Scheduler(st, list(units.values()), sum(buckets.values(), ()), depth)
+    for m, s in uses.items():
+        of = {id(e): b for b in buckets[m] for e in b.entries}
+        _module_hooks(m, [(n, Slot(e, units[unit_key[m]], of[id(e)], st)) for n, e in s], st)
+    for key, unit in units.items():
+        holder = modules.get(key)
+        if holder is not None and holder not in uses:  # a block around the parameters' modules
+            # issues its unit's gathers before its modules run (compiled: the first one's hook)
+            holder.register_forward_pre_hook(_eager(lambda u=unit: st.scheduler.open_unit(u)))
+    # the model's forward begins and ends a recorded order (a compiled root leaves the
+    # scheduler off its recorded order: every gather then issued when needed)
+    model.register_forward_pre_hook(_eager(lambda: st.scheduler.begin_forward()))
+    model.register_forward_hook(_eager(lambda: st.scheduler.end_forward()))
+
+
+def _eager(fn):
+    """A module hook that calls `fn()`, except while torch.compile traces."""
+
+    def hook(mod: nn.Module, *args):
+        if not torch.compiler.is_compiling():
+            fn()
+
+    return hook
+
+
+def _module_hooks(module: nn.Module, slots: list[tuple[str, Slot]], st: DedicatedState) -> None:
+    """Gather `slots` ((attribute, slot) pairs of one unit) around every forward of `module`, as
+    instance attributes shadowing the placeholders. Compiled, each module issues the whole
+    unit's gathers (dmuon::gather_start over every slot handle of the unit)."""
+    unit = slots[0][1].unit
+    handles = unit.handles  # a plain list for the compiled hook to read
+    saver = _Z3Saver(st) if st.reshard_after_forward else None
+
+    def pre(mod: nn.Module, args):
+        eager_z3 = saver is not None and not torch.compiler.is_compiling()
+        if eager_z3:
+            saver.leave()  # a no-op unless the last forward raised
+        if torch.compiler.is_compiling():
+            torch.ops.dmuon.gather_start(handles)
+        for pname, slot in slots:
+            value = slot.value()
+            if slot.e.tp is not None:  # this tensor rank's part, as the DTensor the module had
+                value = slot.e.tp.to_module(value)
+            object.__setattr__(mod, pname, value)
+        if eager_z3 and torch.is_grad_enabled():
+            saver.enter(unit)
+
+    def post(mod: nn.Module, args, output):
+        if saver is not None and not torch.compiler.is_compiling():
+            saver.leave()
+        for pname, _ in slots:
+            mod.__dict__.pop(pname)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)

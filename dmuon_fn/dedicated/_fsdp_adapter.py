@@ -1,12 +1,12 @@
-"""The one module that touches FSDP2 (`fully_shard`) and DTensor internals.
-
-`install` (at `import dmuon_fn`) patches `fully_shard`: parameters claimed by `dedicate_params`
-join its `ignored_params`, and a container without `forward` (which torch 2.13 rejects) is
-skipped with a one-time note (proofs/dedicated_notes.md).
+"""The one module that touches FSDP2 (`fully_shard`) and DTensor internals. `install` (at
+`import dmuon_fn`) patches `fully_shard`: parameters claimed by `dedicate_params` join its
+`ignored_params`, and a container without `forward` (which torch 2.13 rejects) is skipped with a
+one-time note (proofs/dedicated_notes.md).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -55,25 +55,20 @@ def dtensor_wrap(local: torch.Tensor, spec: Any, requires_grad: bool) -> torch.T
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """The modules `fully_shard` was applied to (DTensors alone may be TP's)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    """`fully_shard` was applied to the module or one below it (DTensors alone may be TP's)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    for m in fsdp_modules(model):
+        m.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
 
 
 def managed_params(model: nn.Module) -> set[int]:
     """ids of the sharded DTensors `fully_shard` manages in `model`."""
-    out: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                out.update(id(fp.sharded_param) for fp in group.fsdp_params)
-    return out
+    groups = [g for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
 
 
 def install() -> None:
@@ -87,6 +82,7 @@ def install() -> None:
     if getattr(original, "_dmuon_patched", False):
         return
 
+    @functools.wraps(original)
     def patched(module, *args, **kwargs):
         global _noted_containers
         if isinstance(module, nn.ModuleList | nn.ModuleDict) and (
@@ -112,8 +108,5 @@ def install() -> None:
             kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | dedicated
         return original(module, *args, **kwargs)
 
-    patched.__name__ = original.__name__
-    patched.__qualname__ = original.__qualname__
-    patched.__wrapped__ = original
     patched._dmuon_patched = True
     cell.cell_contents = patched

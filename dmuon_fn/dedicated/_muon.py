@@ -1,5 +1,7 @@
 """Muon: the stateful shell over `optim/`'s pure updates (no math), for models prepared by
-`dedicate_params`; it builds one `Config` from its arguments (proofs/step_notes.md).
+`dedicate_params`; it builds one `Config` from its arguments. Its step also runs the gradient
+guard over the gradients this rank applies, issues the next forward's gathers (`gather_in_step`)
+and makes the tensor-parallel exchange (proofs/step_notes.md, proofs/guard.md).
 """
 
 from __future__ import annotations
@@ -12,13 +14,38 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from ..comm._errors import phase
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
-from ..optim._update import KINDS, init_state, muon_apply, param_update, state_from, state_items
+from ..optim._update import (
+    KINDS,
+    MuonState,
+    init_state,
+    muon_apply,
+    muon_momentum,
+    param_update,
+    state_from,
+    state_items,
+)
+from ..tp._transfer import TensorExchange
 from . import _fsdp_adapter as fsdp
-from ._muon_step import GradGuard, NextForward, exchange_momenta, steps_here, updates_here
 from ._state import DedicatedState, dedicated_state
+
+
+def updates_here(st: DedicatedState, p: Tensor) -> bool:
+    """Whether this rank updates `p`: a dedicated parameter's global owner; any rank otherwise."""
+    e = st.entry(p)
+    return e is None or st.is_global_owner(e)
+
+
+def steps_here(st: DedicatedState, p: Tensor) -> bool:
+    """Whether this step updates `p` here. A dedicated parameter no gradient reached (a stale
+    grad kept by zero_grad(set_to_none=False)) is skipped on every rank, as by the publish."""
+    if p.grad is None or not updates_here(st, p):
+        return False
+    e = st.entry(p)
+    return e is None or e.touched
 
 
 class Muon(torch.optim.Optimizer):
@@ -64,9 +91,7 @@ class Muon(torch.optim.Optimizer):
             )
         ns = NSConfig(
             steps=ns_steps,
-            coefficients=coefficients
-            if isinstance(coefficients, str)
-            else tuple(tuple(r) for r in coefficients),
+            coefficients=coefficients,
             method=ns_method,
             kernel=ns_kernel,
             dtype=ns_dtype,
@@ -123,29 +148,23 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         self.st.scheduler.wait_reduces()
         ok = self.guard.check()
+        as_tensors = ("lr", "weight_decay")  # hyperparameters the updates take as 0-d tensors
         hyper = {
-            id(g): {
-                **g,
-                "lr": torch.tensor(g["lr"], dtype=torch.float32),
-                "weight_decay": torch.tensor(g["weight_decay"], dtype=torch.float32),
-            }
+            id(g): {**g, **{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}}
             for g in self.param_groups
         }
-        # with gather_in_step, every unit's parameters are updated before its gather is issued
-        # (unit by unit in the recorded order, the rest first); otherwise the order is the
-        # param groups': the updates are independent, so the results are the same either way
-        ahead = NextForward(self.st, self.gather_in_step)
+        # gather_in_step: unit by unit in the recorded order (the rest first), each unit's
+        # gathers issued once its parameters are updated; else the param groups' order
+        sched = self.st.scheduler
+        first = sched.step_gathers(self.gather_in_step)  # id(param) -> its first unit
         items = [(g, p) for g in self.param_groups for p in g["params"]]
-        items.sort(key=lambda it: ahead.unit(it[1]))  # stable
+        items.sort(key=lambda it: first.get(id(it[1]), -1))  # stable
         # tensor parallelism: every split matrix's Newton-Schulz first, on its root tensor rank
-        exchange = None
-        if self.st.tensor:
-            exchange = exchange_momenta(self.st, items, self.state, self.config, ok)
-            self.ns_calls += exchange.ns_calls
+        exchange = self._exchange(items, ok) if self.st.tensor else None
         for group, p in items:
-            ahead.issue_before(p)
+            sched.step_gather_until(first.get(id(p), -1))
             self._update(group["kind"], p, hyper[id(group)], ok, exchange)
-        ahead.issue_before(None)
+        sched.step_gather_until(None)
         if exchange is not None:
             exchange.finish()
         self.st.publish(self.replicate_async)
@@ -153,17 +172,15 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _update(self, kind: str, p: Tensor, group: dict, ok: Tensor | None, exchange) -> None:
-        """`p`'s update where this rank makes it, written in place, masked by `ok`; `group` has
-        lr and weight_decay as tensors."""
+        """`p`'s update where this rank makes it, in place, masked by `ok`."""
         if not steps_here(self.st, p):
             return
         e = self.st.entry(p)
         if e is not None:
-            self.st.wait_publish(e)  # the last publish may still read this tensor
+            e.wait_publish()  # the last publish may still read this tensor
         cfg = self.config
         if kind == "muon" and e.tp is not None:  # orthogonalized in the exchange
-            lr, wd = group["lr"], group["weight_decay"]
-            O = exchange.result(e)
+            lr, wd, O = group["lr"], group["weight_decay"], exchange.result(e)
             new = muon_apply(
                 p, O, lr=lr, weight_decay=wd, adjust_lr=cfg.adjust_lr, shape=e.full_shape
             )
@@ -178,6 +195,26 @@ class Muon(torch.optim.Optimizer):
         guard.write(lp, new, ok)
         for k, v in state_items(s).items():
             guard.write(state[k], v, ok)
+
+    def _exchange(self, items: list[tuple[dict, Tensor]], ok: Tensor | None) -> TensorExchange:
+        """Tensor parallelism: each split matrix's momentum step on every tensor rank of its
+        owner (state written, masked by `ok`), then its Newton-Schulz once, on its root tensor
+        rank. The caller applies `result(e)` and calls `finish()`."""
+        ex = TensorExchange(self.config.ns)
+        index = {id(e): i for i, e in enumerate(self.st.entries)}  # the same on every rank
+        for group, p in items:
+            e = self.st.entry(p)
+            if group["kind"] != "muon" or e is None or e.tp is None or not steps_here(self.st, p):
+                continue
+            s = self.state[p]
+            hyper = {k: group[k] for k in ("momentum", "nesterov")}
+            u, ms = muon_momentum(p.grad, state_from(MuonState, s), **hyper)
+            for k, v in state_items(ms).items():
+                guard.write(s[k], v, ok)
+            ex.post(e, index[id(e)], u)
+        ex.orthogonalize()
+        self.ns_calls += ex.ns_calls
+        return ex
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -207,46 +244,119 @@ class Muon(torch.optim.Optimizer):
                     state[k] = v.to(dtype)
 
     def wait_publish(self) -> None:
-        """Block until the last backward's reduces and the last step's publishes (and gathers
-        issued for the next forward) have landed."""
+        """Block until the last backward's reduces and the last step's publishes and gathers
+        have landed."""
         self.st.scheduler.wait_reduces()
-        self.st.scheduler.wait_ahead()
+        for flight in self.st.scheduler.forward.ahead.values():
+            flight.wait()
         for e in self.st.entries:
-            self.st.wait_publish(e)
+            e.wait_publish()
+
+
+class GradGuard:
+    """The guard over the gradients this rank applies: the job's Σ‖g‖² (one all-reduce per
+    step), clip, skip/raise, and the counters `skipped_steps` (int64) and `grad_norm` (float32,
+    the last norm before clipping), 0-d on device."""
+
+    def __init__(self, model: nn.Module, st: DedicatedState, config: Config, groups: list) -> None:
+        self.st, self.config, self.groups = st, config, groups
+        self.skipped_steps, self.grad_norm = guard.counters(st.entries[0].param.device)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        # equal copies on every tensor rank count once, on tensor rank 0: off it, the parameters
+        # TP does not split whose mesh (if any) has no other tensor rank (e.g. FSDP2's alone)
+        tp, self.copies = st.tensor, set()
+        if tp is not None and tp.size > 1 and tp.rank != 0:
+            peers = set(tp.mesh.mesh.flatten().tolist()) - {dist.get_rank()}
+            ps = [p for p in model.parameters() if (e := st.entry(p)) is None or not e.tp.sharded]
+            self.copies = {id(p) for p in ps if not fsdp.mesh_ranks(p) & peers}
+        self.forget()
+
+    def forget(self) -> None:  # the gradients may change: a new norm, and clip again, next time
+        self._sq: Tensor | None = None
+        self.clipped = False
+
+    def held(self) -> list[tuple[str, Tensor, bool]]:
+        """(name, local gradient, counted once in the job's sum) per gradient this rank applies."""
+        out = []
+        for group in self.groups:
+            for p in group["params"]:
+                if steps_here(self.st, p):
+                    counted = fsdp.counted_here(p.grad) and id(p) not in self.copies
+                    out.append((self.names[id(p)], fsdp.local(p.grad), counted))
+        return out
+
+    def global_sq(self) -> Tensor:
+        """The job's [Σ‖g‖² counting each value once, Σ‖g‖² over every copy], float64."""
+        if self._sq is None:
+            held = self.held()
+            sq = guard.squared_norms([g for _, g, _ in held], self.grad_norm.device)
+            # a sum of 0-d tensors: a host-built index or mask would be a blocking copy on CUDA
+            once = [s for s, (_, _, counted) in zip(sq, held, strict=True) if counted]
+            once = torch.stack(once).sum() if once else sq.new_zeros(())
+            self._sq = torch.stack([once, sq.sum()])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                with phase("step (global gradient norm)"):
+                    dist.all_reduce(self._sq, op=dist.ReduceOp.SUM)
+        return self._sq
+
+    def clip(self, max_norm: float) -> Tensor:
+        """Scale every held gradient by min(1, max_norm / ‖g‖); returns ‖g‖ (float32, 0-d)."""
+        self._sq = None  # the gradients may have changed since
+        total = self.global_sq()[0].sqrt()
+        coef = guard.clip_coefficient(total, max_norm)
+        for _, g, _ in self.held():
+            g.mul_(coef.to(g.device, g.dtype))
+        self.clipped = True
+        return total.float()
+
+    def check(self) -> Tensor | None:
+        """Record the norm, raise (nonfinite="raise"), clip (unless `clip` did), count a skip;
+        returns the on-device finite flag that masks every write (None: unmasked)."""
+        cfg = self.config
+        if not cfg.guarded:
+            return None
+        once, every = self.global_sq()
+        v = guard.judge(once, every, cfg.nonfinite, None if self.clipped else cfg.max_grad_norm)
+        self.grad_norm.copy_(v.norm)
+        if cfg.nonfinite == "raise" and not bool(v.ok):
+            bad = [n for n, g, _ in self.held() if not g.isfinite().all()]
+            self.forget()
+            raise FloatingPointError(
+                f"non-finite gradient (global Σ‖g‖² = {every.item()}); on this rank: "
+                f"{bad or 'none (it is on another rank)'}. No parameter or state was changed"
+            )
+        if v.coef is not None:
+            for _, g, _ in self.held():
+                g.mul_(v.coef.to(g.device, g.dtype))
+        self.skipped_steps.copy_(guard.tally(self.skipped_steps, v.ok))
+        return v.ok
 
 
 def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[dict[str, Any]]:
-    """The torch.optim param groups "muon" (dedicated matrices) and "adamw" (the rest), each
-    only where it has parameters."""
+    """The param groups "muon" (dedicated matrices) and "adamw" (the rest), where not empty;
+    raises unless every gradient is synchronized (dedicated, or sharded by fully_shard)."""
     muon, adamw = [], []
     for p in model.parameters():
         e = st.entry(p)
         (muon if e is not None and e.is_matrix else adamw).append(p)
-    _check_synchronized(model, st, adamw)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # a DTensor that fully_shard does not manage is tensor-parallel: fine where the data
+        # mesh has one rank, never synchronized over a larger one
+        managed, data_parallel = fsdp.managed_params(model), st.shard_size * st.replicate_size
+        loose = [
+            n
+            for n, p in model.named_parameters()
+            if st.entry(p) is None
+            and id(p) not in managed
+            and (data_parallel > 1 or not fsdp.is_dtensor(p))
+        ]
+        if loose:
+            raise ValueError(
+                f"{loose[:3]}{'...' if len(loose) > 3 else ''} are neither dedicated nor "
+                "sharded by fully_shard, so their gradients are never synchronized: call "
+                "fully_shard on the model (over the data mesh) after dedicate_params, or "
+                "dedicate_params(..., pure=True)"
+            )
     hyper = config.groups()
     kinds = (("muon", muon), ("adamw", adamw))
     return [dict(params=ps, kind=kind, **hyper[kind]) for kind, ps in kinds if ps]
-
-
-def _check_synchronized(model: nn.Module, st: DedicatedState, adamw: list[torch.Tensor]) -> None:
-    """Every parameter's gradient must be synchronized: dedicated, or sharded by fully_shard."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    # a DTensor that fully_shard does not manage is tensor-parallel: fine where the data mesh
-    # has one rank, never synchronized over a larger one
-    managed, data_parallel = fsdp.managed_params(model), st.shard_size * st.replicate_size
-    names = {id(p): n for n, p in model.named_parameters()}
-    loose = [
-        names[id(p)]
-        for p in adamw
-        if st.entry(p) is None
-        and id(p) not in managed
-        and (data_parallel > 1 or not fsdp.is_dtensor(p))
-    ]
-    if loose:
-        raise ValueError(
-            f"{loose[:3]}{'...' if len(loose) > 3 else ''} are neither dedicated nor "
-            "sharded by fully_shard, so their gradients are never synchronized: call "
-            "fully_shard on the model (over the data mesh) after dedicate_params, or "
-            "dedicate_params(..., pure=True)"
-        )

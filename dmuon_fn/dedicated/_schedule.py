@@ -9,8 +9,7 @@ reduce onto the owners and land as the mean over the G·R data ranks in `.grad`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -19,14 +18,27 @@ from custom_ops._collectives import reduce_start
 
 from ..comm._counters import blocked
 from ..comm._errors import phase
-from ._entries import Entry, Group, Topology, Unit, broadcast_start, wait_work
+from ._state import DedicatedState, Entry, Group, Unit, broadcast_start, wait_work
 
 
 class Flight:
-    """One unit's gathers: `flats[i]` is group i's buffer, final once `wait` returns."""
+    """One unit's gathers, issued: per group, the owner's concatenated values (a copy in the
+    group's dtype) broadcast over the shard group; `flats[i]` is group i's, final after `wait`."""
 
-    def __init__(self, unit: Unit, flats: list[Tensor], works: list, what: str) -> None:
-        self.unit, self.flats, self.works, self.what = unit, flats, works, what
+    def __init__(self, st: DedicatedState, unit: Unit, what: str) -> None:
+        self.unit, self.what, self.flats, self.works = unit, what, [], []
+        with torch.profiler.record_function("dmuon::param_gather"):  # a label for profiles
+            for g in unit.groups:
+                if st.is_local_owner(g.entries[0]):
+                    for e in g.entries:
+                        e.wait_publish()  # an HSDP publish may still be writing the value
+                    # a copy: the step updates the parameter in place
+                    flat = torch.cat([e.param.detach().reshape(-1).to(g.dtype) for e in g.entries])
+                else:
+                    flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
+                self.flats.append(flat)
+                name = f"{what} of {g.names}"
+                self.works.append(broadcast_start(flat, g.owner, st.shard_group, name))
 
     def wait(self) -> Flight:
         for i, w in enumerate(self.works):
@@ -44,10 +56,8 @@ class Cursor:
     """A walk through the recorded unit order, forward (`step` 1) or backward (-1: Z3's
     re-gathers), with the next `depth` units' gathers issued ahead (`ahead`: position -> them)."""
 
-    def __init__(
-        self, issue: Callable[[Unit, str], Flight], depth: int, step: int, what: str
-    ) -> None:
-        self.issue, self.depth, self.step, self.what = issue, depth, step, what
+    def __init__(self, sched: Scheduler, step: int, what: str) -> None:
+        self.issue, self.depth, self.step, self.what = sched.issue, sched.depth, step, what
         self.order: list[Unit] = []
         self.pos = -1  # next expected index into `order`; -1: off the recorded order
         self.ahead: dict[int, Flight] = {}
@@ -64,7 +74,8 @@ class Cursor:
             flight = self.ahead.pop(self.pos, None)
             self.pos += self.step
         else:
-            self.stop()
+            self.drain()
+            self.pos = -1
         flight = flight or self.issue(unit, self.what)
         self.prefetch()
         return flight
@@ -72,11 +83,8 @@ class Cursor:
     def prefetch(self) -> None:
         if self.pos < 0:
             return
-        if self.step > 0:
-            stop = min(self.pos + self.depth, len(self.order))
-        else:
-            stop = max(self.pos - self.depth, -1)
-        for j in range(self.pos, stop, self.step):
+        end = len(self.order) if self.step > 0 else -1
+        for j in range(self.pos, end, self.step)[: self.depth]:
             if j not in self.ahead:
                 self.ahead[j] = self.issue(self.order[j], self.what)
 
@@ -86,64 +94,36 @@ class Cursor:
             self.ahead[pos].wait()
         self.ahead.clear()
 
-    def stop(self) -> None:
-        self.drain()
-        self.pos = -1
-
-
-@dataclass(eq=False)
-class _Reduce:
-    group: Group
-    flat: Tensor
-    work: object
-    members: tuple[int, ...]  # indices into group.entries, in flat order
-    stage2: object = None
-
 
 class Scheduler:
     """Runs a model's dedicated gathers and reduces. `depth`: units whose gathers are issued
     ahead (0: none, every gather and reduce waited for where it is issued)."""
 
     def __init__(
-        self, topo: Topology, units: Sequence[Unit], buckets: Sequence[Group], depth: int
+        self, st: DedicatedState, units: Sequence[Unit], buckets: Sequence[Group], depth: int
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch must be an int >= 0 (0: off), got {depth!r}")
-        self.topo, self.units, self.buckets = topo, list(units), list(buckets)
+        self.st, self.units, self.buckets = st, list(units), list(buckets)
         self.depth = depth
-        self.forward = Cursor(self._issue, self.depth, 1, "forward (parameter gather)")
-        self.backward = Cursor(self._issue, self.depth, -1, "backward (Z3 parameter re-gather)")
+        self.forward = Cursor(self, 1, "forward (parameter gather)")
+        self.backward = Cursor(self, -1, "backward (Z3 parameter re-gather)")
         self.order: list[Unit] = []  # the last forward's units, in order
         self.current: list[Unit] = []  # this forward's so far
         self.open: tuple[Unit, Flight] | None = None  # the unit computing, and its gathers
         self.landed: dict[int, Flight] = {}  # Z3 backward: id(unit) -> its re-gathered copy
-        # gather_in_step: each local owner's (entry, param version) when the step sent it
+        # gather_in_step: each local owner's (entry, param version) when the step sent it; the
+        # recorded units the step gathers, and how many it has issued
         self.from_step: list[tuple[Entry, int]] | None = None
+        self.step_units, self.step_issued = 0, 0
         self.sync = True  # gradient sync (False: accumulate locally)
         self.pass_open = False  # a backward pass has an end-of-pass callback queued
         self.ready: list[Group] = []  # complete gradient sums, reduced at the next call
-        self.reduces: list[_Reduce] = []
+        self.reduces: list[list] = []  # issued: [bucket, flat sum, work, indices it holds]
 
-    def _issue(self, unit: Unit, what: str) -> Flight:
-        """Per group, the owner's concatenated values (a copy in the group's dtype) broadcast
-        over the shard group into `numel`-element buffers elsewhere."""
-        topo, flats, works = self.topo, [], []
-        with torch.profiler.record_function("dmuon::param_gather"):  # a label for profiles
-            for g in unit.groups:
-                work = None
-                if topo.is_local_owner(g.entries[0]):
-                    for e in g.entries:
-                        e.wait_publish()  # an HSDP publish may still be writing the value
-                    # a copy: the step updates the parameter in place
-                    flat = torch.cat([e.param.detach().reshape(-1).to(g.dtype) for e in g.entries])
-                else:
-                    flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
-                if topo.shard_size > 1:
-                    work = broadcast_start(flat, g.owner, topo.shard_group, f"{what} of {g.names}")
-                flats.append(flat)
-                works.append(work)
-            flight = Flight(unit, flats, works, what)
-            return flight if self.depth else flight.wait()
+    def issue(self, unit: Unit, what: str) -> Flight:
+        flight = Flight(self.st, unit, what)
+        return flight if self.depth else flight.wait()
 
     def begin_forward(self) -> None:
         """Land last backward's reduces, forget what an earlier forward left owed, issue the
@@ -170,7 +150,8 @@ class Scheduler:
         self.forward.prefetch()
 
     def end_forward(self) -> None:
-        self.forward.stop()
+        self.forward.drain()
+        self.forward.restart([])  # off the order until the next forward
         self.open = None
         if self.current:
             self.order, self.current = self.current, []
@@ -193,29 +174,29 @@ class Scheduler:
             self.open = (unit, self.forward.take(unit))
         return self.open[1]
 
-    def next_forward_order(self, keep_all: bool) -> tuple[int, dict[int, int]]:
-        """(n, first): the step gathers the recorded order's first n units (all with
-        `keep_all`, else `depth`); `first[id(entry)]`: the first of them holding the entry."""
-        units = list(enumerate(self.order if keep_all else self.order[: self.depth]))
+    def step_gathers(self, enabled: bool) -> dict[int, int]:
+        """gather_in_step: the step gathers the recorded order's first units (all under Z2, else
+        `depth`) for the next forward; returns id(param) -> the first of them holding it."""
+        order = self.order[: self.depth] if self.st.reshard_after_forward else self.order
+        units = list(enumerate(order if enabled else ()))
+        self.step_units, self.step_issued = len(units), 0
         # in reverse, so the first unit holding an entry is the one kept
-        first = {id(e): j for j, u in reversed(units) for g in u.groups for e in g.entries}
-        return len(units), first
+        return {id(e.param): j for j, u in reversed(units) for g in u.groups for e in g.entries}
 
-    def gather_for_next_forward(self, j: int) -> None:
-        """Issue recorded unit `j`'s gathers for the next forward, once this rank updated its
-        parameters of it. Every rank calls it for j = 0, 1, ... in turn."""
-        if j == 0:
-            self.drop_ahead()
-            self.from_step = []
-        unit = self.order[j]
-        self.forward.ahead[j] = self._issue(unit, "step (the next forward's parameter gather)")
-        for g in unit.groups:
-            if self.topo.is_local_owner(g.entries[0]):
-                self.from_step += [(e, e.param._version) for e in g.entries]
-
-    def wait_ahead(self) -> None:
-        for flight in self.forward.ahead.values():
-            flight.wait()
+    def step_gather_until(self, j: int | None) -> None:
+        """Issue the step's gathers of the recorded units before `j` (None: all of them), once
+        this rank updated its parameters of each. Every rank calls it in increasing `j`."""
+        while self.step_issued < (self.step_units if j is None else j):
+            k = self.step_issued
+            if k == 0:
+                self.drop_ahead()
+                self.from_step = []
+            unit = self.order[k]
+            self.forward.ahead[k] = self.issue(unit, "step (the next forward's parameter gather)")
+            for g in unit.groups:
+                if self.st.is_local_owner(g.entries[0]):
+                    self.from_step += [(e, e.param._version) for e in g.entries]
+            self.step_issued += 1
 
     def drop_ahead(self) -> None:
         """Wait for and drop every gather issued ahead. Collective."""
@@ -223,18 +204,13 @@ class Scheduler:
         self.from_step = None
 
     def regather(self, unit: Unit) -> Flight:
-        """Z3 backward: `unit`'s values again, one re-gather for all of them."""
+        """Z3 backward: `unit`'s values again, for one owed use (the copy goes after the last)."""
         self._flush()
-        key = id(unit)
-        if key not in self.landed:
-            self.landed[key] = self.backward.take(unit)
-        return self.landed[key].wait()
-
-    def release(self, unit: Unit) -> None:
-        """One re-gathered value of `unit` was taken; the copy goes once none is owed."""
+        flight = self.landed.pop(id(unit), None) or self.backward.take(unit)
         unit.owed_regathers = max(0, unit.owed_regathers - 1)
-        if not unit.owed_regathers:
-            self.landed.pop(id(unit), None)
+        if unit.owed_regathers:
+            self.landed[id(unit)] = flight
+        return flight.wait()
 
     def _restart_backward(self) -> None:
         self.backward.drain()
@@ -251,11 +227,8 @@ class Scheduler:
         if g.flat is None:
             g.flat = torch.empty(g.numel, dtype=g.reduce_dtype, device=g.device)
         part = g.part(g.flat, i)
-        if g.has[i]:
-            part.add_(grad)
-        else:
-            part.copy_(grad)
-            g.has[i] = True
+        part.add_(grad) if g.has[i] else part.copy_(grad)
+        g.has[i] = True
         g.owed[i] = max(0, g.owed[i] - 1)
         if self.sync and not any(g.owed):
             self.ready.append(g)
@@ -265,11 +238,10 @@ class Scheduler:
     def _end_backward(self) -> None:
         """Reduce every sum (sync on), complete or not."""
         self.pass_open = False
-        self._flush()
         for g in self.buckets:
             g.owed = [0] * len(g.entries)
-            if self.sync:
-                self._reduce(g)
+        self.ready += self.buckets if self.sync else []  # after the complete ones
+        self._flush()
         self._restart_backward()
 
     def _flush(self) -> None:  # the sums made complete since the last call
@@ -283,14 +255,13 @@ class Scheduler:
         g.flat, g.has = None, [False] * len(g.entries)
         if flat is None:
             return
-        for i in range(len(g.entries)):
-            if i not in members:
-                g.part(flat, i).zero_()
+        for i in set(range(len(g.entries))) - set(members):
+            g.part(flat, i).zero_()
         work = None
-        if self.topo.shard_size > 1:
+        if self.st.shard_size > 1:
             with phase(f"backward (gradient reduce of {g.names})"):
-                work = reduce_start(flat, g.owner, self.topo.shard_group)
-        self.reduces.append(_Reduce(g, flat, work, members))
+                work = reduce_start(flat, g.owner, self.st.shard_group)
+        self.reduces.append([g, flat, work, members])
         if not self.depth:
             self.wait_reduces()
 
@@ -298,27 +269,24 @@ class Scheduler:
         """Land every issued reduce (HSDP: stage 2 issued here, in issue order) as the mean
         (sum / (G·R)) in each global owner's `.grad`."""
         self._flush()
-        topo, pending, self.reduces = self.topo, self.reduces, []
-        for r in pending:
-            with blocked(), phase(f"backward (gradient reduce of {r.group.names})"):
-                if r.work is not None:
-                    r.work.wait()
-                if topo.replicate_group is not None and topo.is_local_owner(r.group.entries[0]):
-                    r.stage2 = reduce_start(r.flat, r.group.owner_replica, topo.replicate_group)
-        scale = topo.shard_size * topo.replicate_size
-        for r in pending:
-            g = r.group
-            if r.stage2 is not None:
-                wait_work(r.stage2, f"backward (gradient reduce of {g.names})")
-            for i in r.members:
+        st, pending, self.reduces = self.st, self.reduces, []
+        for r in pending:  # the work becomes stage 2's
+            g, flat, work, _ = r
+            with blocked(), phase(f"backward (gradient reduce of {g.names})"):
+                if work is not None:
+                    work.wait()
+                hsdp = st.replicate_group is not None and st.is_local_owner(g.entries[0])
+                r[2] = reduce_start(flat, g.owner_replica, st.replicate_group) if hsdp else None
+        scale = st.shard_size * st.replicate_size
+        for g, flat, work, members in pending:
+            if work is not None:
+                wait_work(work, f"backward (gradient reduce of {g.names})")
+            for i in members:
                 e = g.entries[i]
-                if topo.is_global_owner(e) and e.param.requires_grad:
-                    grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)
+                if st.is_global_owner(e) and e.param.requires_grad:
+                    grad = g.part(flat, i).to(e.param.dtype).div_(scale)
                     with torch.no_grad():  # what autograd's AccumulateGrad does
                         if e.param.grad is None:
                             e.param.grad = grad
                         else:
                             e.param.grad += grad
-
-    def set_sync(self, sync: bool) -> None:
-        self.sync = bool(sync)

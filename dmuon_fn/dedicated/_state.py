@@ -1,43 +1,158 @@
-"""What `dedicate_params` attaches to a model (who holds what: dedicated/_entries.py), and the
-HSDP publish after each step: the global owner broadcasts the new value, in the model dtype, to
-the other replicas' local owners.
-"""
+"""What `dedicate_params` attaches to a model: an `Entry` per dedicated parameter, the `Group`s
+and `Unit`s it moves in, and `DedicatedState` (process groups, this rank's view of the plan, the
+HSDP publish). The *local owner* (shard rank `owner_shard` of every replica) holds the full
+parameter between steps, the *global owner* (owner_shard, owner_replica) holds it in fp32 with
+its optimizer state, every other rank a 0-size placeholder (tensor parallelism: this tensor
+rank's part). A *unit* is one layer's modules (keyed as `planning/_partition.layer_keys`),
+gathered per `Group`; one module's groups are its reduce buckets (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch import Tensor
 
-from ..tp._layout import TensorMesh
-from ._entries import Entry, Topology, broadcast_start
-from ._schedule import Scheduler
+from custom_ops._collectives import broadcast_start as issue_broadcast
+
+from ..comm._counters import blocked
+from ..comm._errors import phase
+from ..planning._view import RankView
+from ..tp._layout import TensorLayout, TensorMesh
 
 STATE_ATTR = "_dmuon_state"
 
 
+def broadcast_start(t: Tensor, src: int, group: dist.ProcessGroup, what: str) -> dist.Work | None:
+    """Issue the in-place broadcast from group rank `src` (None on a group of one)."""
+    with phase(what):
+        return issue_broadcast(t, src, group, dist.get_world_size(group))
+
+
+def wait_work(work: dist.Work, what: str) -> None:
+    """Block on `work`, counted as blocked time."""
+    with blocked(), phase(what):
+        work.wait()
+
+
 @dataclass(eq=False)
-class DedicatedState(Topology):
-    """What `dedicate_params` attaches to the model (`model._dmuon_state`)."""
+class Entry:
+    """One dedicated parameter (tied names share one entry); its owner is the plan's."""
 
-    entries: list[Entry] = field(default_factory=list)
-    scheduler: Scheduler | None = None
-    by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
+    name: str
+    names: tuple[str, ...]
+    shape: torch.Size
+    dtype: torch.dtype  # compute and gather dtype (the model's, or param_dtype)
+    reduce_dtype: torch.dtype
+    owner_shard: int
+    owner_replica: int
+    param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
+    device: torch.device  # param's: compiled hooks read this, never `param`
+    tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
+    publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
+    # custom_ops._handles handles, one per module slot (dedicated/_dedicate.Slot), requiring grad
+    # as `param` does; backward sets one's .grad when it reaches that slot's gather
+    handles: list[Tensor] = field(default_factory=list)
+
+    is_matrix = property(lambda self: len(self.shape) >= 2)
+    full_shape = property(lambda self: self.shape if self.tp is None else self.tp.full_shape)
+
+    @property
+    def touched(self) -> bool:
+        """Backward reached a gather of this parameter since the last step (alike on all ranks)."""
+        return any(h.grad is not None for h in self.handles)
+
+    def follow_requires_grad(self) -> None:
+        """The handles require grad as `param` does (compiled blocks read the handle's)."""
+        for h in self.handles:
+            h.requires_grad_(self.param.requires_grad)
+
+    def wait_publish(self) -> None:
+        if self.publish is not None:
+            wait_work(self.publish, f"the HSDP publish of {self.name}")
+            self.publish = None
+
+
+class Group:
+    """Entries with one global owner and dtypes, moved as one flat buffer of `numel` elements
+    (entry i at [offsets[i], offsets[i + 1])): a unit's gather group, or a module's bucket."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        self.entries = tuple(entries)
+        e0 = self.entries[0]
+        self.owner, self.owner_replica, self.device = e0.owner_shard, e0.owner_replica, e0.device
+        self.dtype, self.reduce_dtype = e0.dtype, e0.reduce_dtype
+        self.offsets = (0, *accumulate(e.shape.numel() for e in self.entries))
+        self.numel = self.offsets[-1]
+        self.index = {id(e): i for i, e in enumerate(self.entries)}
+        self.names = ", ".join(e.name for e in self.entries)
+        # a bucket's backward: handed-out values per entry still owing a gradient; the sum of
+        # the gradients (kept across passes while sync is off), and which entries it holds
+        self.owed = [0] * len(self.entries)
+        self.flat: Tensor | None = None
+        self.has = [False] * len(self.entries)
+
+    def part(self, flat: Tensor, i: int) -> Tensor:
+        return flat[self.offsets[i] : self.offsets[i + 1]].view(self.entries[i].shape)
+
+
+@dataclass(eq=False)
+class Unit:
+    key: str
+    groups: tuple[Group, ...]
+    owed_regathers: int = 0  # Z3 backward: re-gathered values still to be taken
+    handles: list[Tensor] = field(default_factory=list)  # of its slots (dedicated/_dedicate.py)
+
+
+def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
+    """`entries` (each once) grouped by (global owner, dtypes, device), ordered by owner."""
+    groups: dict[tuple, list[Entry]] = {}
+    for e in dict.fromkeys(entries):
+        key = ((e.owner_shard, e.owner_replica), e.dtype, e.reduce_dtype, e.device)
+        groups.setdefault(key, []).append(e)
+    return tuple(Group(m) for _, m in sorted(groups.items(), key=lambda kv: kv[0][0]))
+
+
+@dataclass(eq=False)
+class DedicatedState:
+    """`model._dmuon_state`."""
+
+    view: RankView
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    reshard_after_forward: bool
     tensor: TensorMesh | None = None  # the tensor-parallel ranks
+    entries: list[Entry] = field(default_factory=list)
+    by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
+    scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_dedicate.install
 
-    def entry(self, p: torch.Tensor) -> Entry | None:
+    plan = property(lambda self: self.view.plan)
+    shard_size = property(lambda self: self.view.plan.shard_size)
+    replicate_size = property(lambda self: self.view.plan.replicate_size)
+
+    def entry(self, p: Tensor) -> Entry | None:
         return self.by_param.get(id(p))
 
-    def wait_publish(self, e: Entry) -> None:
-        e.wait_publish()
+    def is_local_owner(self, e: Entry) -> bool:
+        return e.owner_shard == self.view.shard_rank
+
+    def is_global_owner(self, e: Entry) -> bool:
+        return e.owner_shard == self.view.shard_rank and e.owner_replica == self.view.replica_rank
 
     def publish(self, asynchronous: bool) -> None:
-        """Every entry forgets `touched`; under HSDP the local owners of the touched ones take
-        the global owner's value (`asynchronous`: waited for before its next gather or update)."""
+        """After a step: every entry forgets `touched`; under HSDP the local owners of the touched
+        ones take the global owner's new value (`asynchronous`: waited for before its next
+        gather or update)."""
         for e in self.entries:
             touched = e.touched
-            e.next_step()
+            for h in e.handles:
+                h.grad = None
+            e.follow_requires_grad()
             if self.replicate_group is None or not (self.is_local_owner(e) and touched):
                 continue
             e.wait_publish()
@@ -49,5 +164,8 @@ class DedicatedState(Topology):
                 e.wait_publish()
 
 
-def dedicated_state(model: nn.Module) -> DedicatedState | None:
-    return getattr(model, STATE_ATTR, None)
+def dedicated_state(model: nn.Module, required: bool = False) -> DedicatedState | None:
+    st = getattr(model, STATE_ATTR, None)
+    if st is None and required:
+        raise ValueError("this model has no dedicated parameters: call dedicate_params first")
+    return st

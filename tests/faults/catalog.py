@@ -150,8 +150,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "dedicated gradients summed instead of averaged over data ranks",
         "dmuon_fn/dedicated/_schedule.py",
-        "grad = g.part(r.flat, i).to(e.param.dtype).div_(scale)",
-        "grad = g.part(r.flat, i).to(e.param.dtype)",
+        "grad = g.part(flat, i).to(e.param.dtype).div_(scale)",
+        "grad = g.part(flat, i).to(e.param.dtype)",
         (DIST2,),
     ),
     Fault(
@@ -163,7 +163,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "one matrix's update made on a non-owner, and lost",
-        "dmuon_fn/dedicated/_muon_step.py",
+        "dmuon_fn/dedicated/_muon.py",
         "return e is None or st.is_global_owner(e)",
         "return e is None or st.is_global_owner(e) != (e is st.entries[0])",
         (DIST2,),
@@ -214,7 +214,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "a plan that gives one matrix two owners",
-        "dmuon_fn/dedicated/_entries.py",
+        "dmuon_fn/dedicated/_state.py",
         "return e.owner_shard == self.view.shard_rank and e.owner_replica =="
         " self.view.replica_rank",
         "return (e.owner_shard == self.view.shard_rank or 'gate_proj' in e.name)"
@@ -223,7 +223,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "max_grad_norm ignored by the object API",
-        "dmuon_fn/dedicated/_muon_step.py",
+        "dmuon_fn/dedicated/_muon.py",
         "None if self.clipped else cfg.max_grad_norm",
         "None",
         (TRAIN + "::test_max_grad_norm_in_step_equals_explicit_clip",),
@@ -238,8 +238,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "an lr schedule ignored by the object API (the initial lr used)",
         "dmuon_fn/dedicated/_muon.py",
-        'torch.tensor(g["lr"], dtype=torch.float32),',
-        'torch.tensor(g.get("initial_lr", g["lr"]), dtype=torch.float32),',
+        "{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}",
+        '{k: torch.tensor(g.get("initial_" + k, g[k]), dtype=torch.float32) for k in as_tensors}',
         (FN1,),
     ),
     Fault(
@@ -252,13 +252,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "Z3's backward re-gathers not prefetched",
         "dmuon_fn/dedicated/_schedule.py",
-        "stop = max(self.pos - self.depth, -1)",
-        "stop = max(self.pos, -1)",
+        "end = len(self.order) if self.step > 0 else -1",
+        "end = len(self.order) if self.step > 0 else self.pos",
         (PREFETCH_DEPTH,),
     ),
     Fault(
         "a forward that raises keeps its saved-tensor hooks",
-        "dmuon_fn/dedicated/_gather.py",
+        "dmuon_fn/dedicated/_dedicate.py",
         "            saver.leave()  # a no-op unless the last forward raised",
         "            pass",
         (T + "test_compile_blocks.py::test_a_forward_that_raises_leaves_no_trace",),
