@@ -21,7 +21,7 @@ TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its sca
 
 class TensorExchange:
     """One step's exchange: `post` every matrix, `orthogonalize`, then `result` per matrix; a
-    matrix `e` is anything with a `tp: TensorLayout` (dedicated/_entries.Entry)."""
+    matrix `e` is anything with a `tp: TensorLayout` (dedicated/_state.Entry)."""
 
     def __init__(self, ns: NSConfig) -> None:
         self.ns = ns
