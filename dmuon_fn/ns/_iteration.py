@@ -5,41 +5,25 @@ iteration dtype; `impl` names the SYRK kernel (custom_ops.KERNELS)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 Row = tuple[float, float, float]
 
-# Keller Jordan's single quintic, https://kellerjordan.github.io/posts/muon/ (torch.optim.Muon's).
-KELLER: tuple[Row, ...] = ((3.4445, -4.7750, 2.0315),)
-
-# Polar Express, Amsel, Persson, Musco & Gower 2025, https://arxiv.org/abs/2505.16932: the
-# paper's 5-step minimax schedule (l = 1e-3), then divided by a safety factor of 1.05 as
-# (a/s, b/s³, c/s⁵) so that rounding cannot push a singular value past the basin of convergence.
-_POLAR_EXPRESS_RAW: tuple[Row, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-)
-POLAR_EXPRESS_SAFETY = 1.05
+# The presets and their sources (coefficients.json, package data).
+_TABLES = json.loads(Path(__file__).with_name("coefficients.json").read_text(encoding="utf-8"))
+KELLER: tuple[Row, ...] = tuple(map(tuple, _TABLES["keller"]["rows"]))
+_POLAR_EXPRESS_RAW: tuple[Row, ...] = tuple(map(tuple, _TABLES["polar_express"]["rows"]))
+POLAR_EXPRESS_SAFETY = _TABLES["polar_express"]["safety"]
 POLAR_EXPRESS: tuple[Row, ...] = tuple(
     (a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)
     for a, b, c in _POLAR_EXPRESS_RAW
 )
-
-# You Jiacheng's tuned 5-step schedule, https://x.com/YouJiacheng/status/1905861218138804534
-# (as shipped by Dao-AILab/gram-newton-schulz).
-YOU: tuple[Row, ...] = (
-    (4.0848, -6.8946, 2.9270),
-    (3.9505, -6.3029, 2.6377),
-    (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046),
-    (2.8366, -3.0525, 1.2012),
-)
+YOU: tuple[Row, ...] = tuple(map(tuple, _TABLES["you"]["rows"]))
 
 PRESETS: dict[str, tuple[Row, ...]] = {"keller": KELLER, "polar_express": POLAR_EXPRESS, "you": YOU}
 
