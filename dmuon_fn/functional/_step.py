@@ -66,12 +66,10 @@ def value_and_grad(
     prefetch: int = 1,
 ) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """(params, batch) -> (this rank's loss, grads): each grad the data-parallel mean on the
-    parameter's global owner, zeros shaped like the slot elsewhere.
-
-    loss_fn(params, batch) -> loss sees every parameter in full (Z2: one gather before, one
-    reduce after). A sequence of stages [(names, fn), ...], fn(params, x, batch) -> x (x None
-    for the first, the loss from the last) runs Z3 (`_z3.py`), equal to Z2 to fp32 rounding:
-    prefetch=1 holds two adjacent stages' copies and overlaps, 0 one stage's, blocking."""
+    parameter's global owner, zeros shaped like the slot elsewhere. loss_fn(params, batch) -> loss
+    sees every parameter in full (Z2: one gather before, one reduce after). Stages [(names, fn),
+    ...], fn(params, x, batch) -> x (x None for the first, the loss from the last) run Z3, equal to
+    Z2 to fp32 rounding: prefetch=1 holds two adjacent stages' copies and overlaps, 0 one's."""
     if not callable(loss_fn):
         return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
@@ -123,17 +121,16 @@ def update(
         opt[n] = type(s)(*(guard.keep(ok, a, b) for a, b in zip(s, opt[n], strict=True)))
     mine = [n for n in p_.names if p_.is_local_owner(n)]
     if p_.replicate_size > 1 and mine:
-        # one publish over the replicate group (whose ranks all hold the same `mine`), ordered
-        # after this step's gradient reduce through `after`
-        routes = [(r[3], r[4], r[5], 0, 1, 1) for r in (p_.route(n) for n in mine)]
+        # one publish over the replicate group (whose ranks all hold the same `mine`), after this
+        # step's gradient reduce and the guard's all-reduce on that group: a rank that updates
+        # nothing would otherwise have the collectives unordered in its graph
+        routes = [(r[3], r[4], r[5], 0, 1, 1) for r in map(p_.route, mine)]
         outs = torch.ops.dmuon.owner_broadcast(
             [p_.compute(params[n]) for n in mine],
             _flat(p_.shape(n) for n in mine),
             [len(p_.shape(n)) for n in mine],
             _flat(routes),
             p_.rep_group,
-            # and after the guard's all-reduce on the same group: a rank that updates nothing
-            # would otherwise have the two collectives unordered in its graph
             after=[grads[n] for n in p_.names] + ([] if sq is None else [sq]),
         )
         # the other replicas take the published copy; the global owner keeps its master

@@ -1,8 +1,6 @@
-"""Z3 inside the compiled functional step (docs/functional.md): each stage's parameters gathered
-for its forward, freed, and gathered again for its backward, differentiated stage by stage with
-torch.func.vjp. Every gather and reduce is one dmuon op over one stage's parameters, in one order
-on every rank (prefetch=0: a token chain, blocking; 1: a ticket chain, one stage ahead);
-proofs/step_notes.md."""
+"""Z3 inside the compiled functional step: each stage's parameters gathered for its forward, freed,
+and gathered again for its backward (torch.func.vjp stage by stage); each gather and reduce one
+dmuon op over one stage, in one order on every rank (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
@@ -24,40 +22,17 @@ def _flat(rows) -> list[int]:
     return [x for row in rows for x in row]
 
 
-def check_stages(stages: Sequence[Stage], fn_plan: FnPlan) -> tuple[Stage, ...]:
-    """Each stage as (names tuple, fn); every planned parameter in at least one stage."""
-    if not stages:
-        raise ValueError("stages is empty: pass [(names, fn), ...], the last returning the loss")
-    out, seen = [], set()
-    for i, stage in enumerate(stages):
-        if not (isinstance(stage, tuple | list) and len(stage) == 2 and callable(stage[1])):
-            raise ValueError(f"stage {i} must be a (names, fn) pair, got {stage!r}")
-        names = tuple(stage[0])
-        unknown = [n for n in names if n not in fn_plan.names]
-        if unknown:
-            raise ValueError(f"stage {i} names {unknown[0]!r}, which the plan does not hold")
-        if len(set(names)) != len(names) or not names:
-            raise ValueError(f"stage {i} must name its parameters once each, got {names}")
-        seen.update(names)
-        out.append((names, stage[1]))
-    missing = [n for n in fn_plan.names if n not in seen]
-    if missing:
-        raise ValueError(f"{missing[0]!r} is in no stage: every planned parameter needs one")
-    return tuple(out)
-
-
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _entries(rows, names, fn_plan, token):
-    """(flat shapes, ndims, flat routes, extra inputs) of an op over `names` shaped `rows`; a
-    token adds a 0-size entry on a size-1 route."""
+def _entries(values, rows, names, fn_plan, token):
+    """(values, flat shapes, ndims, flat routes) of an op over `names` shaped `rows`; a token
+    adds a 0-size entry on a size-1 route."""
     routes = [fn_plan.route(n) for n in names]
-    extra = []
     if token is not None:
-        rows, routes, extra = [*rows, (0,)], [*routes, _SELF], [token]
-    return _flat(rows), [len(s) for s in rows], _flat(routes), extra
+        values, rows, routes = [*values, token], [*rows, (0,)], [*routes, _SELF]
+    return values, _flat(rows), [len(s) for s in rows], _flat(routes)
 
 
 def _local_rows(names, fn_plan) -> list[tuple[int, ...]]:
@@ -73,23 +48,19 @@ def _by_name(names, outs, token):
 def _gather(params, names, fn_plan, token=None, after=None, start=False):
     """Parameters `names` in full on every shard rank, in one op: ({name: full}, next token or
     None); start: only issue it and return its ticket (for dmuon::collective_wait)."""
-    rows = [fn_plan.shape(n) for n in names]
-    shapes, ndims, routes, extra = _entries(rows, names, fn_plan, token)
+    values = [fn_plan.compute(params[n]) for n in names]
+    args = _entries(values, [fn_plan.shape(n) for n in names], names, fn_plan, token)
     op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
-    locals_ = [fn_plan.compute(params[n]) for n in names] + extra
-    outs = op(locals_, shapes, ndims, routes, fn_plan.group, after=after)
+    outs = op(*args, fn_plan.group, after=after)
     return outs if start else _by_name(names, outs, token)
 
 
 def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
     """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
     the local slot elsewhere, in one op; token and start as `_gather`'s."""
-    shapes, ndims, routes, extra = _entries(_local_rows(names, fn_plan), names, fn_plan, token)
+    values = [fn_plan.summed(grads[n]) for n in names]
     args = (
-        [fn_plan.summed(grads[n]) for n in names] + extra,
-        shapes,
-        ndims,
-        routes,
+        *_entries(values, _local_rows(names, fn_plan), names, fn_plan, token),
         fn_plan.group,
         fn_plan.rep_group,
         1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
@@ -147,24 +118,24 @@ class _Overlapped:
 
     def gathered(self, handle, after):
         ticket, names = handle
-        return self._wait(ticket, self.like, [self.plan.shape(n) for n in names], names, after)
+        likes = [self.like[n] for n in names]
+        return self._wait(ticket, likes, [self.plan.shape(n) for n in names], names, after)
 
     def start_reduce(self, g_full, names):
         self.chain = _reduce(g_full, names, self.plan, after=[self.chain], start=True)
-        return self.chain, names, {n: self.plan.summed(g_full[n].new_empty(0)) for n in names}
+        return self.chain, names, [self.plan.summed(g_full[n].new_empty(0)) for n in names]
 
     def reduced(self, handle, last: bool):
-        ticket, names, like = handle
+        ticket, names, likes = handle
         after = self.landed if last else [self.chain, *self.landed]
-        out = self._wait(ticket, like, _local_rows(names, self.plan), names, after)
+        out = self._wait(ticket, likes, _local_rows(names, self.plan), names, after)
         self.landed = list(out.values())
         return out
 
     @staticmethod
-    def _wait(ticket, like, rows, names, after):
-        """The results behind `ticket` by name; `like[n]` has output n's dtype and device."""
+    def _wait(ticket, likes, rows, names, after):
+        """The results behind `ticket` by name; `likes[i]` has output i's dtype and device."""
         ndims = [len(r) for r in rows]
-        likes = [like[n] for n in names]
         outs = torch.ops.dmuon.collective_wait(ticket, likes, _flat(rows), ndims, after=after)
         return dict(zip(names, outs, strict=True))
 
@@ -172,7 +143,24 @@ class _Overlapped:
 def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):
     """`value_and_grad` over stages. A name in several stages (tied weights) has its gradient
     reduced after each and summed on the owner."""
-    stages = check_stages(stages, fn_plan)
+    if not stages:
+        raise ValueError("stages is empty: pass [(names, fn), ...], the last returning the loss")
+    checked, seen = [], set()
+    for i, stage in enumerate(stages):
+        if not (isinstance(stage, tuple | list) and len(stage) == 2 and callable(stage[1])):
+            raise ValueError(f"stage {i} must be a (names, fn) pair, got {stage!r}")
+        names = tuple(stage[0])
+        unknown = [n for n in names if n not in fn_plan.names]
+        if unknown:
+            raise ValueError(f"stage {i} names {unknown[0]!r}, which the plan does not hold")
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"stage {i} must name its parameters once each, got {names}")
+        seen.update(names)
+        checked.append((names, stage[1]))
+    missing = [n for n in fn_plan.names if n not in seen]
+    if missing:
+        raise ValueError(f"{missing[0]!r} is in no stage: every planned parameter needs one")
+    stages = tuple(checked)
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch must be 0 or 1 (one stage ahead), got {prefetch!r}")
 
