@@ -30,7 +30,6 @@ def layer_keys(names: Iterable[str]) -> dict[str, str]:
     """Layer key of each name: the prefix up to its outermost numeric component whose siblings
     take two or more values (`model.0.layers.3`), else up to its outermost numeric component, else
     the parent module (`lm_head`); proofs/partition.md §4."""
-    names = list(names)
     split = {n: n.split(".") for n in names}
     seen: dict[tuple[str, ...], set[str]] = defaultdict(set)
     for parts in split.values():
