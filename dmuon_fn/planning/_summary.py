@@ -279,6 +279,8 @@ def _render(s: PlanSummary) -> list[str]:
     lines.append(
         f"{who:>{w}}  matrices  other  {'NS ' + funit:>9}   share  {bunit:>7}  largest matrix"
     )
+    # busiest last: a slot both busiest and least is marked busiest
+    tags = {s.least: " <- least", s.busiest: " <- busiest"} if s.total_ns_flops else {}
     prev = -1
     for i in [*_shown(s), S]:  # S: the end, after the last elision
         if i > prev + 1:
@@ -287,13 +289,11 @@ def _render(s: PlanSummary) -> list[str]:
             break
         r, prev = s.slots[i], i
         label = f"{i} ({r.owner[0]},{r.owner[1]})" if R > 1 else str(i)
-        # busiest last: a slot both busiest and least is marked busiest
-        tag = {s.least: " <- least", s.busiest: " <- busiest"} if s.total_ns_flops else {}
         name = r.largest or ""
         name = name if len(name) <= _NAME_WIDTH else "..." + name[3 - _NAME_WIDTH :]
         largest = f"{'x'.join(map(str, r.largest_shape))} {name}" if r.largest else "-"
         lines.append(
             f"{label:>{w}}  {len(r.matrices):8d}  {r.others:5d}  {r.ns_flops / fdiv:9.1f}  "
-            f"{100 * r.share:5.1f}%  {r.nbytes / bdiv:7.1f}  {largest}{tag.get(i, '')}"
+            f"{100 * r.share:5.1f}%  {r.nbytes / bdiv:7.1f}  {largest}{tags.get(i, '')}"
         )
     return lines
