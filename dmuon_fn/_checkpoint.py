@@ -152,8 +152,7 @@ def _require(model: nn.Module, optimizer: Muon) -> DedicatedState:
 
 def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load: bool) -> Keys:
     """The object face's entries this rank holds, and every key's full shape."""
-    sd: dict[str, Any] = {}
-    shapes: dict[str, tuple] = {}
+    sd, shapes = {}, {}
     for n, p in model.named_parameters():
         e = st.entry(p)
         full = tuple(p.shape if e is None else e.full_shape)  # DTensor: global

@@ -52,8 +52,7 @@ class FnPlan:
         return g if dt is None else g.to(dt)
 
     def summary(self, gemm_flops: float | None = None) -> PlanSummary:
-        """Who owns what and each rank's NS share (`str`: a table; `.as_dict()`); with
-        gemm_flops (FLOP/s), the busiest rank's seconds per step."""
+        """`plan_summary` of this plan (`str`: a table)."""
         return plan_summary(self.partition, gemm_flops=gemm_flops)
 
     def __str__(self) -> str:
@@ -103,14 +102,13 @@ def plan(
     )
     shapes = {n: tuple(p.shape) for n, p in named}
     device = named[0][1].device
-    # a job plans (and runs) rank 0's NS dispatch on every rank
-    aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)
     part = partition(
         shapes,
         G * R,
         replicate_size=R,
         elementwise=[n for n in shapes if n not in muon],
-        gram_min_aspect=aspect,
+        # a job plans (and runs) rank 0's NS dispatch on every rank
+        gram_min_aspect=agreed_aspect(device) if G * R > 1 else gram_min_aspect(device),
     )
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)

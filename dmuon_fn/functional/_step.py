@@ -99,8 +99,7 @@ def update(
     """One pure step: Muon or AdamW on the parameters this rank owns (the masters under mixed
     precision), then (HSDP) the publish to the other replicas in `param_dtype`. Arguments left
     None take `Config.groups()`'s; pass tensors to schedule without recompiling. The guard
-    (`Config.max_grad_norm`, `nonfinite`) costs one in-graph float64 all-reduce per mesh
-    dimension and updates the State's counters."""
+    (`Config.max_grad_norm`, `nonfinite`): one float64 all-reduce per mesh dimension."""
     p_, cfg = state.plan, state.config
     check_nonfinite(cfg.nonfinite, host_sync=False)
     hyper = cfg.groups(
@@ -131,11 +130,9 @@ def update(
         # step's gradient reduce and the guard's all-reduce on that group: a rank that updates
         # nothing would otherwise have the collectives unordered in its graph
         routes = [(r[3], r[4], r[5], 0, 1, 1) for r in map(p_.route, mine)]
+        values = [p_.compute(params[n]) for n in mine]
         outs = torch.ops.dmuon.owner_broadcast(
-            [p_.compute(params[n]) for n in mine],
-            _flat(p_.shape(n) for n in mine),
-            [len(p_.shape(n)) for n in mine],
-            _flat(routes),
+            *_entries(values, [p_.shape(n) for n in mine], routes),
             p_.rep_group,
             after=[grads[n] for n in p_.names] + ([] if sq is None else [sq]),
         )
@@ -174,10 +171,9 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _entries(values, rows, names, fn_plan, token):
-    """(values, flat shapes, ndims, flat routes) of an op over `names` shaped `rows`; a token
-    adds a 0-size entry on a size-1 route."""
-    routes = [fn_plan.route(n) for n in names]
+def _entries(values, rows, routes, token=None):
+    """(values, flat shapes, ndims, flat routes) of an owner op over `values` shaped `rows`; a
+    token adds a 0-size entry on a size-1 route."""
     if token is not None:
         values, rows, routes = [*values, token], [*rows, (0,)], [*routes, _SELF]
     return values, _flat(rows), [len(s) for s in rows], _flat(routes)
@@ -196,8 +192,8 @@ def _by_name(names, outs, token):
 def _gather(params, names, fn_plan, token=None, after=None, start=False):
     """Parameters `names` in full on every shard rank, in one op: ({name: full}, next token or
     None); start: only issue it and return its ticket (for dmuon::collective_wait)."""
-    values = [fn_plan.compute(params[n]) for n in names]
-    args = _entries(values, [fn_plan.shape(n) for n in names], names, fn_plan, token)
+    rows, routes = [fn_plan.shape(n) for n in names], [fn_plan.route(n) for n in names]
+    args = _entries([fn_plan.compute(params[n]) for n in names], rows, routes, token)
     op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
     outs = op(*args, fn_plan.group, after=after)
     return outs if start else _by_name(names, outs, token)
@@ -207,8 +203,9 @@ def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
     """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
     the local slot elsewhere, in one op; token and start as `_gather`'s."""
     values = [fn_plan.summed(grads[n]) for n in names]
+    routes = [fn_plan.route(n) for n in names]
     args = (
-        *_entries(values, _local_rows(names, fn_plan), names, fn_plan, token),
+        *_entries(values, _local_rows(names, fn_plan), routes, token),
         fn_plan.group,
         fn_plan.rep_group,
         1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
