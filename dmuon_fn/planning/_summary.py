@@ -281,13 +281,11 @@ def _render(s: PlanSummary) -> list[str]:
     )
     # busiest last: a slot both busiest and least is marked busiest
     tags = {s.least: " <- least", s.busiest: " <- busiest"} if s.total_ns_flops else {}
-    prev = -1
-    for i in [*_shown(s), S]:  # S: the end, after the last elision
+    shown = _shown(s)  # from slot 0 to slot S - 1
+    for i, prev in zip(shown, [-1, *shown[:-1]], strict=True):
         if i > prev + 1:
             lines.append(f"{'':>{w}}  ... {i - prev - 1} ranks not shown (all in as_dict())")
-        if i == S:
-            break
-        r, prev = s.slots[i], i
+        r = s.slots[i]
         label = f"{i} ({r.owner[0]},{r.owner[1]})" if R > 1 else str(i)
         name = r.largest or ""
         name = name if len(name) <= _NAME_WIDTH else "..." + name[3 - _NAME_WIDTH :]
