@@ -1,10 +1,8 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both faces: a
-checkpoint saved by either loads into the other (same model and predicate) on any world size or
-mesh shape. Each rank writes only what it holds and reads only what it holds under the new
-plan. Keys: `model.<name>`, `optim.<name>.<key>` (`_update.STATE_KEYS`),
-`optim.param_groups.<kind>.<hyper>` (`Config.groups()`), `optim.skipped_steps`,
-`optim.grad_norm`; who writes and reads each: proofs/checkpoint.md.
-"""
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), one format for both faces, either
+loading into the other (same model and predicate) on any world size or mesh shape; each rank
+writes and reads only what it holds. Keys: `model.<name>`, `optim.<name>.<key>`
+(`_update.STATE_KEYS`), `optim.param_groups.<kind>.<hyper>` (`Config.groups()`),
+`optim.skipped_steps`, `optim.grad_norm`; who writes and reads each: proofs/checkpoint.md."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.utils._pytree import tree_map_only
 
 from .dedicated._muon import Muon
 from .dedicated._state import DedicatedState, dedicated_state
@@ -50,15 +49,10 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
     st = _require(model, optimizer)
     optimizer.wait_publish()  # a background publish would overwrite the loaded values
     st.scheduler.drop_ahead()  # gathers the step issued carry the values being replaced
-    md = _metadata(path)
-    sd, shapes = _object_keys(model, optimizer, st, load=True)
-    _check(path, md, shapes)
     groups = {g["kind"]: g for g in optimizer.param_groups}
-    keys = _group_keys(md, groups, known_only=False)
-    sd.update({k: groups[kind].get(name) for k, (kind, name) in keys.items()})
-    _dcp(dcp.load, path, sd)
-    for k, (kind, name) in keys.items():
-        groups[kind][name] = sd[k]
+    loaded = _load(path, *_object_keys(model, optimizer, st, load=True), groups, known_only=False)
+    for kind, values in loaded.items():
+        groups[kind].update(values)
 
 
 def save_state(
@@ -87,24 +81,12 @@ def load_state(path: PathLike, state: State) -> State:
     """A copy of `state` (freshly `init`-ed) with the values of a checkpoint of either face, on
     any world size or mesh shape, and a Config with its hyperparameters. Tensors keep `state`'s
     dtypes; `state` is not modified. Collective."""
-    md = _metadata(path)
-    new = State(
-        {n: t.clone() for n, t in state.params.items()},
-        {n: type(s)(*(t.clone() for t in s)) for n, s in state.opt.items()},
-        state.plan,
-        state.config,
-        *_counters_of(state),
-    )
-    sd, shapes = _state_keys(new, load=True)
-    _check(path, md, shapes)
+    new = tree_map_only(torch.Tensor, torch.clone, _counted(state))
     hyper = state.config.groups()
-    keys = _group_keys(md, {kind: hyper[kind] for kind in _kinds(state)}, known_only=True)
-    sd.update({k: hyper[kind][name] for k, (kind, name) in keys.items()})
-    _dcp(dcp.load, path, sd)
-    loaded: dict[str, dict[str, Any]] = {}
-    for k, (kind, name) in keys.items():
-        loaded.setdefault(kind, {})[name] = sd[k]
-    config = state.config.with_groups(loaded)
+    groups = {kind: hyper[kind] for kind in _kinds(state)}
+    config = state.config.with_groups(
+        _load(path, *_state_keys(new, load=True), groups, known_only=True)
+    )
     # the same object when nothing changed: a compiled step guarded on it need not recompile
     return new._replace(config=state.config if config == state.config else config)
 
@@ -114,16 +96,29 @@ def _group_entries(hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {f"{_GROUPS}{kind}.{k}": v for kind, g in hyper.items() for k, v in g.items()}
 
 
-def _group_keys(md: Metadata, groups: dict[str, Any], *, known_only: bool) -> dict[str, tuple]:
-    """The checkpoint's param-group keys of `groups`' kinds -> (kind, name) (known_only: only
-    names `groups[kind]` has)."""
-    out = {}
+def _load(
+    path: PathLike, sd: dict, shapes: dict, groups: dict[str, Any], *, known_only: bool
+) -> dict[str, dict[str, Any]]:
+    """Check the checkpoint's keys and full shapes against `shapes`, load `sd` and the values of
+    its param-group keys of `groups`' kinds (known_only: of names `groups[kind]` has) ->
+    {kind: {name: value}}."""
+    try:
+        md = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r} (no .metadata)") from err
+    _check(path, md, shapes)
+    keys = {}
     for k in sorted(md.state_dict_metadata):
         if k.startswith(_GROUPS):
             kind, name = k[len(_GROUPS) :].split(".", 1)
             if kind in groups and (name in groups[kind] or not known_only):
-                out[k] = (kind, name)
-    return out
+                keys[k] = (kind, name)
+    sd.update({k: groups[kind].get(name) for k, (kind, name) in keys.items()})
+    _dcp(dcp.load, path, sd)
+    loaded: dict[str, dict[str, Any]] = {}
+    for k, (kind, name) in keys.items():
+        loaded.setdefault(kind, {})[name] = sd[k]
+    return loaded
 
 
 def _kinds(state: State) -> list[str]:
@@ -132,11 +127,12 @@ def _kinds(state: State) -> list[str]:
     return [k for k, has in (("muon", fp.muon), ("adamw", set(fp.names) - fp.muon)) if has]
 
 
-def _counters_of(state: State) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the State's guard counters (zeros where it has none)."""
+def _counted(state: State) -> State:
+    """`state` with zeroed guard counters where it has none."""
     fresh = counters(next(iter(state.params.values())).device)
     got = (state.skipped_steps, state.grad_norm)
-    return tuple(f if g is None else g.clone() for f, g in zip(fresh, got, strict=True))
+    skipped, norm = (f if g is None else g for f, g in zip(fresh, got, strict=True))
+    return state._replace(skipped_steps=skipped, grad_norm=norm)
 
 
 def _require(model: nn.Module, optimizer: Muon) -> DedicatedState:
@@ -156,8 +152,7 @@ def _require(model: nn.Module, optimizer: Muon) -> DedicatedState:
 
 def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load: bool) -> Keys:
     """The object face's entries this rank holds, and every key's full shape."""
-    sd: dict[str, Any] = {}
-    shapes: dict[str, tuple] = {}
+    sd, shapes = {}, {}
     for n, p in model.named_parameters():
         e = st.entry(p)
         full = tuple(p.shape if e is None else e.full_shape)  # DTensor: global
@@ -190,7 +185,8 @@ def _with_counters(sd, shapes, skipped: torch.Tensor, norm: torch.Tensor) -> Key
 
 def _state_keys(state: State, *, load: bool) -> Keys:
     """The functional face's entries this rank holds, and every key's full shape."""
-    fp, sd, shapes = state.plan, {}, {}
+    state, sd, shapes = _counted(state), {}, {}
+    fp = state.plan
     for n in fp.names:
         items = state_items(state.opt[n])
         shapes[f"model.{n}"] = fp.shape(n)
@@ -201,15 +197,7 @@ def _state_keys(state: State, *, load: bool) -> Keys:
             sd[f"model.{n}"] = state.params[n]
         if fp.is_global_owner(n):
             sd.update({f"optim.{n}.{k}": v for k, v in items.items()})
-    skipped, norm = (state.skipped_steps, state.grad_norm) if load else _counters_of(state)
-    return _with_counters(sd, shapes, skipped, norm)
-
-
-def _metadata(path: PathLike) -> Metadata:
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r} (no .metadata)") from err
+    return _with_counters(sd, shapes, state.skipped_steps, state.grad_norm)
 
 
 def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:

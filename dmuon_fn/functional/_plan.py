@@ -1,5 +1,5 @@
 """The functional API's plan: who owns what for one rank, as hashable data (a compile-time
-constant of the step in `_step.py` and `_z3.py`)."""
+constant of the step)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from ..comm._mesh import check_dtypes, check_meshes
 from ..dedicated import _fsdp_adapter as fsdp
 from ..ns._dispatch import agreed_aspect, gram_min_aspect
 from ..planning._check import check_plan_consistent
-from ..planning._partition import Plan, partition
+from ..planning._partition import partition
 from ..planning._summary import PlanSummary, plan_summary
-from ..planning._view import RankView, Route
+from ..planning._view import RankView
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,13 @@ class FnPlan:
     param_dtype: torch.dtype | None = None  # what is gathered and computed with
     reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
 
+    partition = property(lambda self: self.view.plan)
+    shard_size = property(lambda self: self.view.plan.shard_size)
+    replicate_size = property(lambda self: self.view.plan.replicate_size)
+    route = property(lambda self: self.view.route)
+    is_local_owner = property(lambda self: self.view.is_local_owner)
+    is_global_owner = property(lambda self: self.view.is_global_owner)
+
     def compute(self, t: torch.Tensor) -> torch.Tensor:
         """A held value (master or placeholder) as it is gathered: in `param_dtype`."""
         return t if self.param_dtype is None else t.to(self.param_dtype)
@@ -45,36 +52,14 @@ class FnPlan:
         return g if dt is None else g.to(dt)
 
     def summary(self, gemm_flops: float | None = None) -> PlanSummary:
-        """Who owns what and each rank's NS share (`str`: a table; `.as_dict()`); with
-        gemm_flops (FLOP/s), the busiest rank's seconds per step."""
+        """`plan_summary` of this plan (`str`: a table)."""
         return plan_summary(self.partition, gemm_flops=gemm_flops)
 
     def __str__(self) -> str:
         return str(self.summary())
 
-    @property
-    def partition(self) -> Plan:
-        return self.view.plan
-
-    @property
-    def shard_size(self) -> int:
-        return self.view.plan.shard_size
-
-    @property
-    def replicate_size(self) -> int:
-        return self.view.plan.replicate_size
-
-    def route(self, name: str) -> Route:
-        return self.view.route(name)
-
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[self.names.index(name)]
-
-    def is_local_owner(self, name: str) -> bool:
-        return self.view.is_local_owner(name)
-
-    def is_global_owner(self, name: str) -> bool:
-        return self.view.is_global_owner(name)
 
 
 def plan(
@@ -104,7 +89,7 @@ def plan(
         )
     predicate = predicate or (lambda n, p: p.ndim >= 2)
     muon = frozenset(n for n, p in named if predicate(n, p))
-    bad = [n for n in muon if dict(named)[n].ndim < 2]
+    bad = [n for n, p in named if n in muon and p.ndim < 2]
     if bad:
         raise ValueError(f"{bad[0]} is not a matrix: the predicate must select 2+-dim params")
     if mesh is None and replicate_mesh is not None:
@@ -117,20 +102,19 @@ def plan(
     )
     shapes = {n: tuple(p.shape) for n, p in named}
     device = named[0][1].device
-    # a job plans (and runs) rank 0's NS dispatch on every rank
-    aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)
     part = partition(
         shapes,
         G * R,
         replicate_size=R,
         elementwise=[n for n in shapes if n not in muon],
-        gram_min_aspect=aspect,
+        # a job plans (and runs) rank 0's NS dispatch on every rank
+        gram_min_aspect=agreed_aspect(device) if G * R > 1 else gram_min_aspect(device),
     )
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
     return FnPlan(
-        names=tuple(n for n, _ in named),
-        shapes=tuple(shapes[n] for n, _ in named),
+        names=tuple(shapes),
+        shapes=tuple(shapes.values()),
         muon=muon,
         trainable=frozenset(n for n, p in named if p.requires_grad),
         view=RankView(part, shard_rank, rep_rank),

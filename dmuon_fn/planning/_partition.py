@@ -1,9 +1,6 @@
 """The partition planner: which rank owns (orthogonalizes and updates) each dedicated parameter.
-
 `partition` is a pure function of (names, shapes, sizes, cost options) to a frozen `Plan` of plain
-Python data, equal on every rank without communicating and runnable under FakeTensorMode. Cost
-model, scheduling units and guarantees: proofs/partition.md.
-"""
+data, equal on every rank without communicating (FakeTensorMode too); proofs/partition.md."""
 
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ def layer_keys(names: Iterable[str]) -> dict[str, str]:
     """Layer key of each name: the prefix up to its outermost numeric component whose siblings
     take two or more values (`model.0.layers.3`), else up to its outermost numeric component, else
     the parent module (`lm_head`); proofs/partition.md §4."""
-    names = list(names)
     split = {n: n.split(".") for n in names}
     seen: dict[tuple[str, ...], set[str]] = defaultdict(set)
     for parts in split.values():
@@ -142,13 +138,12 @@ def _check_int(name: str, value: object, low: int) -> int:
 
 def _pairs(named_shapes) -> list[tuple[str, tuple[int, ...]]]:
     items = named_shapes.items() if isinstance(named_shapes, Mapping) else named_shapes
-    out, seen = [], set()
+    out: dict[str, tuple[int, ...]] = {}
     for name, shape in items:
         if not isinstance(name, str) or not name:
             raise ValueError(f"parameter names must be non-empty strings, got {name!r}")
-        if name in seen:
+        if name in out:
             raise ValueError(f"duplicate parameter name {name!r}: names must be unique")
-        seen.add(name)
         try:
             raw = tuple(shape)
             dims = tuple(operator.index(d) for d in raw)
@@ -160,10 +155,10 @@ def _pairs(named_shapes) -> list[tuple[str, tuple[int, ...]]]:
                 f"{name!r} has shape {shape!r}: a shape is a sequence of positive ints "
                 "(leave empty parameters out of the plan)"
             )
-        out.append((name, dims))
+        out[name] = dims
     if not out:
         raise ValueError("named_shapes is empty: pass {name: shape} of the dedicated parameters")
-    return sorted(out)
+    return sorted(out.items())
 
 
 def partition(
@@ -210,8 +205,7 @@ def partition(
         _check(key, val, lambda v: 0 <= v < math.inf, "finite and >= 0")
     _check("gram_min_aspect", gram_min_aspect, lambda v: v >= 1.0, ">= 1 (inf: never Gram)")
     tensor_size = _check_int("tensor_size", tensor_size, 1)
-    pairs = _pairs(named_shapes)
-    names = [n for n, _ in pairs]
+    names, shapes = zip(*_pairs(named_shapes), strict=True)
     if layouts is not None and set(layouts) != set(names):
         raise ValueError("layouts must name exactly the parameters of named_shapes")
     unknown = sorted(set(elementwise) - set(names))
@@ -219,54 +213,47 @@ def partition(
         raise ValueError(f"elementwise names not in named_shapes: {unknown[:5]}")
     keys = layer_keys(names)
     ew = set(elementwise)
-    matrix = [len(sh) >= 2 and n not in ew for n, sh in pairs]
-    nbytes = [math.prod(sh) * bytes_per_elem for _, sh in pairs]
+    matrix = [len(sh) >= 2 and n not in ew for n, sh in zip(names, shapes, strict=True)]
+    nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
     # 0.0 for elementwise params: 0.0 + the byte term is exact
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
     ns = [
         ns_flops((sh[0], math.prod(sh) // sh[0]), **ns_kw, min_aspect=gram_min_aspect) if m else 0.0
-        for (_, sh), m in zip(pairs, matrix, strict=True)
+        for sh, m in zip(shapes, matrix, strict=True)
     ]
-    costs = [
-        f + flops_per_byte * math.prod(sh) * bytes_per_elem
-        for f, (_, sh) in zip(ns, pairs, strict=True)
-    ]
+    costs = [f + flops_per_byte * math.prod(shapes[i]) * bytes_per_elem for i, f in enumerate(ns)]
 
-    # Units in order of their first name: each matrix alone (keyed by its index), a layer's
-    # other params together (keyed by the layer).
-    unit_key = [i if matrix[i] else keys[n] for i, (n, _) in enumerate(pairs)]
-    unit_id = {k: u for u, k in enumerate(dict.fromkeys(unit_key))}
-    unit_of = [unit_id[k] for k in unit_key]
-    units: list[list[int]] = [[] for _ in unit_id]
-    for i, u in enumerate(unit_of):
-        units[u].append(i)
+    # Units in order of their first name: each matrix alone, a layer's other params together.
+    by_unit: dict[int | str, list[int]] = defaultdict(list)
+    for i, n in enumerate(names):
+        by_unit[i if matrix[i] else keys[n]].append(i)
+    units = list(by_unit.values())
     layer_id = {k: j for j, k in enumerate(sorted(set(keys.values())))}
-    u_groups = [layer_id[keys[names[u[0]]]] if matrix[u[0]] else -1 for u in units]
-    u_costs = [math.fsum(costs[i] for i in u) for u in units]
-    u_bytes = [sum(nbytes[i] for i in u) for u in units]
     u_slot = schedule(
-        u_costs,
+        [math.fsum(costs[i] for i in u) for u in units],
         world_size,
-        groups=u_groups,
-        nbytes=u_bytes,
+        groups=[layer_id[keys[names[u[0]]]] if matrix[u[0]] else -1 for u in units],
+        nbytes=[sum(nbytes[i] for i in u) for u in units],
         replicate=replicate_size,
         refined=refine,
         spread_tolerance=spread_tolerance,
     )
-    slots = [u_slot[unit_of[i]] for i in range(len(pairs))]
+    slots = [0] * len(names)
+    loads: list[list[float]] = [[] for _ in range(world_size)]
+    for u, s in zip(units, u_slot, strict=True):
+        loads[s] += [costs[i] for i in u]  # fsum'd: exact in any order
+        for i in u:
+            slots[i] = s
 
-    tensor_slots: list[int] = []
+    tensor_slots, layout = [], ()
     if tensor_size > 1 or layouts is not None:
         tensor_slots = _tensor_slots(slots, ns, tensor_size)
-        if layouts is None:  # every parameter plain: a whole copy on each tensor rank
-            layouts = dict.fromkeys(names, "plain")
+        # default plain: a whole copy on each tensor rank
+        layout = tuple((layouts or {}).get(n, "plain") for n in names)
 
-    loads: list[list[float]] = [[] for _ in range(world_size)]
-    for i, s in enumerate(slots):
-        loads[s].append(costs[i])
     return Plan(
-        names=tuple(names),
-        shapes=tuple(sh for _, sh in pairs),
+        names=names,
+        shapes=shapes,
         slots=tuple(slots),
         layers=tuple(keys[n] for n in names),
         matrix=tuple(matrix),
@@ -279,7 +266,7 @@ def partition(
         ns_flops=tuple(ns),
         tensor_size=tensor_size,
         tensor_slots=tuple(tensor_slots),
-        layouts=tuple(layouts[n] for n in names) if layouts is not None else (),
+        layouts=layout,
     )
 
 

@@ -5,6 +5,7 @@ with a GEMM rate, seconds per step. Guarantees: proofs/summary.md."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -117,17 +118,10 @@ class PlanSummary:
             "bound_seconds": self.bound_seconds,
             "slots": [dataclasses.asdict(r) for r in self.slots],
         }
-        return _plain(d)
+        return json.loads(json.dumps(d))  # every tuple a list
 
     def __str__(self) -> str:
         return "\n".join(_render(self))
-
-
-def _plain(x: object) -> object:
-    """`x` with every tuple a list, through dicts and lists."""
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return [_plain(v) for v in x] if isinstance(x, list | tuple) else x
 
 
 def _largest(plan: Plan, idx: list[int]) -> dict:
@@ -161,12 +155,10 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     for s, mine in enumerate(members):
         mats = [i for i in mine if plan.matrix[i]]
         ns = math.fsum(flops[i] for i in mats)
-        per_tensor = ()
-        if plan.tensor_slots:
-            per_tensor = tuple(
-                math.fsum(flops[i] for i in mats if plan.tensor_slots[i] == t)
-                for t in range(plan.tensor_size)
-            )
+        per_tensor = tuple(  # () without TP
+            math.fsum(flops[i] for i in mats if plan.tensor_slots[i] == t)
+            for t in range(plan.tensor_size if plan.tensor_slots else 0)
+        )
         rows.append(
             SlotSummary(
                 slot=s,
@@ -212,28 +204,21 @@ def measure_gemm_flops(
     check_dtype("dtype", dtype)
     dtype = iteration_dtype(device) if dtype is None else dtype
     n = (8192 if device.type == "cuda" else 1024) if n is None else _check_int("n", n, 1)
-    with torch.no_grad():
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        c = torch.empty(n, n, device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    c = torch.empty(n, n, device=device, dtype=dtype)
 
-        def gemm() -> None:
-            torch.mm(a, b, out=c)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+    def gemm() -> None:
+        torch.mm(a, b, out=c)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-        best = race({"gemm": gemm})["gemm"]
-    return 2.0 * n**3 / best
-
-
-_SI = ("", "k", "M", "G", "T", "P", "E")
-_BINARY = ("", "Ki", "Mi", "Gi", "Ti", "Pi")
+    return 2.0 * n**3 / race({"gemm": gemm})["gemm"]
 
 
 def _scaled(x: float, unit: str, binary: bool = False) -> tuple[float, str]:
     """(divisor, label) putting `x` in [1, 1000) with an SI prefix, or [1, 1024) with KiB, MiB..."""
-    base, prefixes = (1024.0, _BINARY) if binary else (1000.0, _SI)
-    k = 0
+    prefixes = ["", *(p + "i" for p in "KMGTP")] if binary else ["", *"kMGTPE"]
+    base, k = 1024.0 if binary else 1000.0, 0
     while k + 1 < len(prefixes) and abs(x) >= base ** (k + 1):
         k += 1
     return base**k, prefixes[k] + unit
@@ -243,14 +228,6 @@ def _seconds(t: float) -> str:
     return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
-def _shape(shape: tuple[int, ...] | None) -> str:
-    return "" if shape is None else "x".join(map(str, shape))
-
-
-def _name(name: str) -> str:
-    return name if len(name) <= _NAME_WIDTH else "..." + name[-(_NAME_WIDTH - 3) :]
-
-
 def _shown(s: PlanSummary) -> list[int]:
     """Slots in the table: all of a small job; else first/last few, busiest, least loaded."""
     S = s.world_size
@@ -258,8 +235,7 @@ def _shown(s: PlanSummary) -> list[int]:
         return list(range(S))
     by_load = sorted(range(S), key=lambda i: (-s.slots[i].rank_ns_flops, i))
     keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
-    keep |= {s.busiest, s.least}
-    return sorted(keep)
+    return sorted(keep | {s.busiest, s.least})
 
 
 def _render(s: PlanSummary) -> list[str]:
@@ -269,7 +245,8 @@ def _render(s: PlanSummary) -> list[str]:
     if T > 1:  # rows are data slots; each one's matrices run on its T tensor ranks
         ranks = f"{S} data slot{'s' if S > 1 else ''}{mesh} x {T} tensor ranks = {S * T} ranks"
     tdiv, tunit = _scaled(s.total_bytes, "B", binary=True)
-    n_params = sum(len(r.matrices) + r.others for r in s.slots)
+    n_matrices = sum(len(r.matrices) for r in s.slots)
+    n_params = n_matrices + sum(r.others for r in s.slots)
     lines = [
         f"dmuon plan: {ranks}, {n_params} params, "
         f"{s.total_bytes / tdiv:.4g} {tunit} of fp32 masters"
@@ -281,12 +258,13 @@ def _render(s: PlanSummary) -> list[str]:
 
     if s.total_ns_flops:
         lines += [
-            f"Newton-Schulz per step: {sum(len(r.matrices) for r in s.slots)} matrices, "
+            f"Newton-Schulz per step: {n_matrices} matrices, "
             f"{f(s.total_ns_flops)} in all, {f(s.mean_ns_flops)} mean per rank",
             f"busiest rank {s.busiest}{' (its busiest tensor rank)' if T > 1 else ''}: "
             f"{f(s.busiest_ns_flops)}, {s.imbalance:.2f}x the mean, "
             f"{s.vs_bound:.3f}x the lower bound max(mean, largest matrix)",
-            f"largest matrix: {_shape(s.largest_shape)} {s.largest}, {f(s.largest_ns_flops)}",
+            f"largest matrix: {'x'.join(map(str, s.largest_shape))} {s.largest}, "
+            f"{f(s.largest_ns_flops)}",
         ]
         if s.gemm_flops is not None:
             lines.append(
@@ -301,20 +279,19 @@ def _render(s: PlanSummary) -> list[str]:
     lines.append(
         f"{who:>{w}}  matrices  other  {'NS ' + funit:>9}   share  {bunit:>7}  largest matrix"
     )
-    prev = -1
-    for i in [*_shown(s), S]:  # S: the end, after the last elision
+    # busiest last: a slot both busiest and least is marked busiest
+    tags = {s.least: " <- least", s.busiest: " <- busiest"} if s.total_ns_flops else {}
+    shown = _shown(s)  # from slot 0 to slot S - 1
+    for i, prev in zip(shown, [-1, *shown[:-1]], strict=True):
         if i > prev + 1:
             lines.append(f"{'':>{w}}  ... {i - prev - 1} ranks not shown (all in as_dict())")
-        if i == S:
-            break
         r = s.slots[i]
         label = f"{i} ({r.owner[0]},{r.owner[1]})" if R > 1 else str(i)
-        tag = " <- busiest" if i == s.busiest else " <- least" if i == s.least else ""
-        tag = tag if s.total_ns_flops else ""
-        largest = f"{_shape(r.largest_shape)} {_name(r.largest)}" if r.largest else "-"
+        name = r.largest or ""
+        name = name if len(name) <= _NAME_WIDTH else "..." + name[3 - _NAME_WIDTH :]
+        largest = f"{'x'.join(map(str, r.largest_shape))} {name}" if r.largest else "-"
         lines.append(
             f"{label:>{w}}  {len(r.matrices):8d}  {r.others:5d}  {r.ns_flops / fdiv:9.1f}  "
-            f"{100 * r.share:5.1f}%  {r.nbytes / bdiv:7.1f}  {largest}{tag}"
+            f"{100 * r.share:5.1f}%  {r.nbytes / bdiv:7.1f}  {largest}{tags.get(i, '')}"
         )
-        prev = i
     return lines

@@ -8,9 +8,6 @@ from dataclasses import dataclass
 
 from ._partition import Plan
 
-# (owner shard, is local owner, shard size, owner replica, is owner replica, replicate size)
-Route = tuple[int, int, int, int, int, int]  # the ints the collective ops take
-
 
 @dataclass(frozen=True)
 class RankView:
@@ -29,7 +26,9 @@ class RankView:
     def is_global_owner(self, name: str) -> bool:
         return self.coords(name) == (self.shard_rank, self.replica_rank)
 
-    def route(self, name: str) -> Route:
+    def route(self, name: str) -> tuple[int, int, int, int, int, int]:
+        """The ints the collective ops take: (owner shard, is local owner, shard size, owner
+        replica, is owner replica, replicate size)."""
         s, r = self.coords(name)
         G, R = self.plan.shard_size, self.plan.replicate_size
         return (s, int(s == self.shard_rank), G, r, int(r == self.replica_rank), R)

@@ -156,7 +156,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "functional gradients summed instead of averaged",
-        "dmuon_fn/functional/_z3.py",
+        "dmuon_fn/functional/_step.py",
         "        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),\n    )\n    if start:",
         "        1.0,\n    )\n    if start:",
         (T + "test_functional.py::test_world_2",),
