@@ -2,7 +2,7 @@
 
 from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
 from .comm._counters import CommCounter, CommTimer
-from .comm._errors import CollectiveError
+from .comm._mesh import CollectiveError
 from .dedicated import _fsdp_adapter as _fsdp_adapter
 from .dedicated._dedicate import (
     dedicate_params,
@@ -13,9 +13,8 @@ from .dedicated._dedicate import (
 from .dedicated._muon import Muon
 from .functional._plan import FnPlan, plan
 from .functional._step import State, full_params, global_grad_norm, init, update, value_and_grad
-from .ns._backend import get_ns_backend
 from .ns._iteration import PRESETS
-from .ns._orthogonalize import NSConfig, orthogonalize
+from .ns._orthogonalize import NSConfig, get_ns_backend, orthogonalize
 from .optim._config import Config
 from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 from .planning._check import PlanMismatchError, check_plan_consistent

@@ -1,15 +1,17 @@
-"""Checks of what both faces (dedicated/, functional/) accept, mesh shapes and mixed-precision
-dtypes, and the process groups dmuon_fn's own traffic runs on."""
+"""What both faces (dedicated/, functional/) accept: mesh shapes, mixed-precision dtypes, the
+process groups dmuon_fn's own traffic runs on; small records agreed at setup (JSON in uint8
+tensors, never pickled: two collectives per call, proofs/comm_notes.md); `CollectiveError`, which
+names the phase a collective failed in."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-
-from ._agree import all_gather_json
 
 
 def check_dtype(what: str, dtype: object) -> None:
@@ -77,3 +79,61 @@ def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     every = sorted({tuple(r) for r in all_gather_json(mine)})
     made = {r: dist.new_group(list(r), timeout=timeout, backend=backend) for r in every}
     return made[tuple(mine)]
+
+
+def _agree(value: object, send: bool, move: Callable[[torch.Tensor], list], group) -> list:
+    """The values `move` delivers here (`value` goes out if `send`); `move(t)` runs one
+    collective and returns the tensors received (lengths, then bytes)."""
+    data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode() if send else b""
+    backend = str(dist.get_backend(group))
+    on_cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [int(n) for t in move(length) for n in t.tolist()]
+    buf = torch.zeros(max(1, *sizes), dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = move(buf.to(device))
+    return [json.loads(bytes(b[:n].tolist())) for b, n in zip(bufs, sizes, strict=True)]
+
+
+def all_gather_json(value: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's JSON-encodable `value`, parsed, in group rank order."""
+
+    def move(t: torch.Tensor) -> list:
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, t, group=group)
+        return out
+
+    return _agree(value, True, move, group)
+
+
+def broadcast_json(value: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """Group rank `src`'s JSON-encodable `value`, parsed, on every rank (others' are not sent)."""
+    root = src if group is None else dist.get_global_rank(group, src)
+
+    def move(t: torch.Tensor) -> list:
+        dist.broadcast(t, root, group=group)
+        return [t]
+
+    return _agree(value, dist.get_rank(group) == src, move, group)[0]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, hung, or ran a different program."""
+
+
+@contextlib.contextmanager
+def phase(what: str) -> Iterator[None]:
+    """Re-raise a failing collective as a `CollectiveError` naming `what` (the timeout is the
+    process group's)."""
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as e:  # DistBackendError/DistError derive from these
+        if isinstance(e, CollectiveError | torch.OutOfMemoryError):
+            raise  # already named, or not the collective's fault (callers catch OOM by type)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"dmuon_fn: a collective failed on rank {rank} during {what}: {e}. A peer rank "
+            "died, timed out (init_process_group(timeout=...)), or took a different path"
+        ) from e

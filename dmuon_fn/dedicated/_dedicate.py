@@ -19,14 +19,12 @@ from torch.utils.checkpoint import checkpoint
 from custom_ops._collectives import broadcast_into
 from custom_ops._handles import new_handle
 
-from ..comm._errors import phase
-from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group
+from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
-from ..planning._partition import layer_keys, partition
+from ..planning._partition import RankView, layer_keys, partition
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
-from ..planning._view import RankView
 from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
 from ._schedule import Scheduler

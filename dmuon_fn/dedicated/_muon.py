@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from ..comm._errors import phase
+from ..comm._mesh import phase
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
@@ -28,7 +28,7 @@ from ..optim._update import (
     state_from,
     state_items,
 )
-from ..tp._transfer import TensorExchange
+from ..tp._layout import TensorExchange
 from . import _fsdp_adapter as fsdp
 from ._state import DedicatedState, dedicated_state
 

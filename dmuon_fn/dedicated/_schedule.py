@@ -17,7 +17,7 @@ from torch import Tensor
 from custom_ops._collectives import reduce_start
 
 from ..comm._counters import blocked
-from ..comm._errors import phase
+from ..comm._mesh import phase
 from ._state import DedicatedState, Entry, Group, Unit, broadcast_start, wait_work
 
 

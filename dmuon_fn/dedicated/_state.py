@@ -21,8 +21,8 @@ from torch import Tensor
 from custom_ops._collectives import broadcast_start as issue_broadcast
 
 from ..comm._counters import blocked
-from ..comm._errors import phase
-from ..planning._view import RankView
+from ..comm._mesh import phase
+from ..planning._partition import RankView
 from ..tp._layout import TensorLayout, TensorMesh
 
 STATE_ATTR = "_dmuon_state"

@@ -15,9 +15,8 @@ from ..comm._mesh import check_dtypes, check_meshes
 from ..dedicated import _fsdp_adapter as fsdp
 from ..ns._dispatch import agreed_aspect, gram_min_aspect
 from ..planning._check import check_plan_consistent
-from ..planning._partition import partition
+from ..planning._partition import RankView, partition
 from ..planning._summary import PlanSummary, plan_summary
-from ..planning._view import RankView
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import custom_ops
 
-from ..comm._agree import broadcast_json
+from ..comm._mesh import broadcast_json
 from ._cost import GRAM_MIN_ASPECT, default_restarts
 from ._iteration import gram, normalize, schedule, standard
 

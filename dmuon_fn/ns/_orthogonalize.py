@@ -11,18 +11,24 @@ gram_ns.md, ns_symmetry.md, normalization.md):
                    if i is a restart: X ← Q·X; R ← X·Xᵀ; Q ← I
                    P ← a·I + b·R + c·R²;  Q ← P·Q;  R ← P·R·P   (dmuon::gram_ns_step)
                X ← Q·X      (Q, P carried as scalar·I + matrix; restarts: `default_restarts`)
-    5. undo the transpose, cast back to G's dtype"""
+    5. undo the transpose, cast back to G's dtype
+
+`get_ns_backend` names, in one line, what runs on a device.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+import custom_ops
+
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
-from ._dispatch import gram_min_aspect, iteration_dtype, kernel_choice
+from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype, kernel_choice
 from ._iteration import gram, halves, normalize, plain_eager, schedule, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -123,3 +129,33 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     if buf is not None and G.dtype == dt and X.dtype != dt:
         X = buf.copy_(X)
     return (X.mT if tall else X).to(G.dtype)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_ns_backend(
+    device: torch.device | str | None = None,
+    *,
+    kernel: str | None = None,
+    method: str = "auto",
+    dtype: torch.dtype | None = None,
+) -> str:
+    """One line naming the NS method, SYRK kernel and iteration dtype `orthogonalize` would run on
+    `device` (default: the current CUDA device, else the CPU), and why; raises as it would."""
+    device = _default_device() if device is None else torch.device(device)
+    resolved = custom_ops.KERNELS[kernel_choice(kernel, device)]  # CUDA: measures auto's rule
+    ns_method((1, 1), method)  # validates
+    aspect = gram_min_aspect(device)  # resolves the dispatch, the CPU's strip table included
+    if method != "auto":
+        how = ("Gram NS" if method == "gram" else "Standard NS") + " (method=)"
+    elif math.isinf(aspect):
+        how = "Standard NS (Gram NS measured slower here at every aspect ratio)"
+    else:
+        how = f"Gram NS (long/short >= {aspect:g}, short >= {GRAM_MIN_SHORT}; else standard NS)"
+    it = dtype or iteration_dtype(device)
+    why = "dtype=" if dtype else dtype_reason(device)
+    return f"{how} · {custom_ops.describe(resolved, device)} · iterate in {str(it)[6:]} ({why})"

@@ -1,6 +1,9 @@
 """The partition planner: which rank owns (orthogonalizes and updates) each dedicated parameter.
 `partition` is a pure function of (names, shapes, sizes, cost options) to a frozen `Plan` of plain
-data, equal on every rank without communicating (FakeTensorMode too); proofs/partition.md."""
+data, equal on every rank without communicating (FakeTensorMode too); proofs/partition.md.
+`RankView` is one rank's view of it, read by both faces: a parameter's *local owner* shares its
+owner slot's shard (it holds the full parameter between steps), its *global owner* the replica
+too (master, state, update)."""
 
 from __future__ import annotations
 
@@ -282,3 +285,28 @@ def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[i
         for i, t in zip(idx, schedule([ns[i] for i in idx], tensor_size), strict=True):
             out[i] = t
     return out
+
+
+@dataclass(frozen=True)
+class RankView:
+    """`plan` seen from the rank at (shard_rank, replica_rank); plain hashable data."""
+
+    plan: Plan
+    shard_rank: int = 0
+    replica_rank: int = 0
+
+    def coords(self, name: str) -> tuple[int, int]:
+        return self.plan.coords(self.plan.slot(name))
+
+    def is_local_owner(self, name: str) -> bool:
+        return self.coords(name)[0] == self.shard_rank
+
+    def is_global_owner(self, name: str) -> bool:
+        return self.coords(name) == (self.shard_rank, self.replica_rank)
+
+    def route(self, name: str) -> tuple[int, int, int, int, int, int]:
+        """The ints the collective ops take: (owner shard, is local owner, shard size, owner
+        replica, is owner replica, replicate size)."""
+        s, r = self.coords(name)
+        G, R = self.plan.shard_size, self.plan.replicate_size
+        return (s, int(s == self.shard_rank), G, r, int(r == self.replica_rank), R)

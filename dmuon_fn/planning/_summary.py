@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..comm._mesh import check_dtype
-from ..ns._backend import _default_device
 from ..ns._dispatch import iteration_dtype, race
+from ..ns._orthogonalize import _default_device
 from ._partition import Plan, _check, _check_int
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection

@@ -8,7 +8,7 @@ blocks, every block tensor parallel (ColwiseParallel q/k/v/up, RowwiseParallel o
 - "dmuon TP Z2" / "Z3": parallelize_module, dedicate_params over the data mesh (the matrices),
   fully_shard the rest (the norms), Muon: each matrix's tensor-parallel parts are dedicated
   over the data ranks, and the step orthogonalizes it once, on one tensor rank of its owner
-  (dmuon_fn/tp/_transfer.py).
+  (dmuon_fn/tp/_layout.py).
 
 Configurations are built at once and step round-robin (drift hits all alike). Per
 configuration, medians over the timed steps of forward+backward seconds (until the gradients
