@@ -1,8 +1,7 @@
 """c10d collectives behind the communication ops and dmuon_fn's object API; `define_async`, the
 one way an op that issues collectives is defined; the tickets of its _start ops. Groups are a
 ProcessGroup or its name (ops carry the name); a group of size 1 needs no torch.distributed.
-Rationale: proofs/custom_ops_notes.md, "Communication ops".
-"""
+Rationale: proofs/custom_ops_notes.md, "Communication ops"."""
 
 from __future__ import annotations
 
@@ -101,8 +100,7 @@ def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
     if dist.get_world_size(pg) == 2 and t.device.type == "cpu" and _gloo(pg, t.device):
         me = dist.get_rank(pg)
         return PairReduce(t, dist.get_global_rank(pg, 1 - me), pg, owner=me == dst)
-    dst_global = dist.get_global_rank(pg, dst)
-    return dist.reduce(t, dst=dst_global, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    return dist.reduce(t, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
 
 
 def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:

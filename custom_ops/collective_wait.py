@@ -4,8 +4,7 @@ ticket: what a dmuon::*_start op returned, redeemed once; like[i]: a tensor (0-s
 output i's dtype and device; shapes/ndims: the outputs' shapes, flattened as in
 dmuon::owner_broadcast; `after` orders the wait after the computation the collectives overlap.
 Returns the outputs in order. No autograd. Side-effectful: a rank that drops the result must
-still wait for the collectives.
-"""
+still wait for the collectives."""
 
 from __future__ import annotations
 

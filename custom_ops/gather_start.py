@@ -3,8 +3,7 @@
 handles: the handles (custom_ops._handles) of one unit's parameters. The handler issues the
 unit's gathers (collectives on every rank of the group, in one order) unless they are on their
 way, and returns at once; each dmuon::param_gather waits for its value later. No outputs, no
-autograd. Side-effectful, never eliminated.
-"""
+autograd. Side-effectful, never eliminated."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 costs: (n,) real, finite, >= 0 (FLOPs per unit); world_size: the slot count S; groups: (n,)
 int64 layer id per unit, -1 for none; nbytes: (n,) real bytes per unit; replicate_size: R
 dividing S. Returns (n,) int64 slots in [0, S) on costs' device, computed on the host by
-`custom_ops._lpt.schedule` (as `dmuon_fn.partition`). No autograd: integer slots.
-"""
+`custom_ops._lpt.schedule` (as `dmuon_fn.partition`). No autograd: integer slots."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ the full shapes, flattened, ndims[i] entries for parameter i; routes: 6 ints per
 (src, is_src, group_size, rep_src, is_rep_src, rep_size), src a rank of `group` (a process-group
 name), the last three for dmuon::two_stage_reduce; `after` only orders the call. Returns the full
 tensors, in order (the _start form: a ticket for dmuon::collective_wait). No autograd: their
-gradients go back with dmuon::two_stage_reduce.
-"""
+gradients go back with dmuon::two_stage_reduce."""
 
 from __future__ import annotations
 

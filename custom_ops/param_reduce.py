@@ -3,8 +3,7 @@
 grad: the full-shape gradient of what dmuon::param_gather returned for `handle`. The handler runs
 the reduction (a collective on every rank of the group) and leaves the result where the owner
 keeps it (dmuon_fn: the global owner's `param.grad`). Returns ones shaped like the handle (the
-handle's gradient). No autograd: it is dmuon::param_gather's backward.
-"""
+handle's gradient). No autograd: it is dmuon::param_gather's backward."""
 
 from __future__ import annotations
 

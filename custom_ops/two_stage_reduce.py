@@ -4,8 +4,7 @@ For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group`
 src, stage 2 sums over `rep_group` onto rep_src when rep_size > 1 (HSDP). The global owner gets
 scale·Σ over all ranks, every other rank zeros of its `local_shapes` slot (full on local owners,
 0-size elsewhere). The gradients are copied when issued. The _start form (with `after`) issues
-stage 1; dmuon::collective_wait runs stage 2. No autograd: nothing differentiates it.
-"""
+stage 1; dmuon::collective_wait runs stage 2. No autograd: nothing differentiates it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The torch GEMM kernels: the CPU's lower-triangle row strips (their count from the table
-`set_cpu_strips` installs), and one full GEMM (any device). Rationale: proofs/custom_ops_notes.md.
-"""
+`set_cpu_strips` installs) and one full GEMM (any device); proofs/custom_ops_notes.md."""
 
 from __future__ import annotations
 

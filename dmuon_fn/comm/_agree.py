@@ -1,6 +1,5 @@
-"""Small records agreed between ranks at setup: JSON in uint8 tensors, never pickled. Each call
-is two collectives on `group` (on the current CUDA device for NCCL, else the CPU); why:
-proofs/comm_notes.md."""
+"""Setup records agreed between ranks as JSON in uint8 tensors, never pickled: two collectives
+per call on `group`, on the current CUDA device for NCCL, else the CPU (proofs/comm_notes.md)."""
 
 from __future__ import annotations
 

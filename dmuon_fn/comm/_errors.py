@@ -15,8 +15,7 @@ class CollectiveError(RuntimeError):
 
 @contextlib.contextmanager
 def phase(what: str) -> Iterator[None]:
-    """Re-raise a failing collective as a `CollectiveError` naming `what` (the timeout is the
-    process group's)."""
+    """Re-raise a failing collective as a `CollectiveError` naming `what` (timeout: the group's)."""
     try:
         yield
     except (RuntimeError, TimeoutError) as e:  # DistBackendError/DistError derive from these

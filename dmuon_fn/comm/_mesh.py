@@ -73,7 +73,6 @@ def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         with contextlib.suppress(RuntimeError, AttributeError):
             timeout = group._get_backend(torch.device(device)).options._timeout
             break
-    # new_group needs every rank, member or not, and the same order on all of them
     every = sorted({tuple(r) for r in all_gather_json(mine)})
     made = {r: dist.new_group(list(r), timeout=timeout, backend=backend) for r in every}
     return made[tuple(mine)]

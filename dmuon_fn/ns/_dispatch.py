@@ -138,8 +138,7 @@ def choose_aspect(times: Mapping[float, tuple[float, float]]) -> float:
 
 
 def _start(sizes: Sequence[float], n: float) -> float:
-    """Where a choice measured at size n of the sorted `sizes` starts: the geometric midpoint to
-    the next smaller size, n/√2 below the smallest."""
+    """Where a choice measured at size n of the sorted `sizes` starts (proofs/ns_notes.md)."""
     i = sizes.index(n)
     return math.sqrt(n * sizes[i - 1]) if i else n / math.sqrt(2)
 
@@ -154,8 +153,7 @@ def choose_strips(times: Mapping[int, Mapping[int, float]]) -> tuple[tuple[int, 
         best = min(t, key=lambda b: (t[b], b))
         blocks = best if best > 1 and t[best] <= STRIP_WIN * t[1] else 1
         if blocks != (table[-1][1] if table else 1):
-            start = round(_start(sizes, n))
-            table.append((max(start, blocks * custom_ops.MIN_STRIP_ROWS), blocks))
+            table.append((max(round(_start(sizes, n)), blocks * custom_ops.MIN_STRIP_ROWS), blocks))
     return tuple(table)
 
 
@@ -167,9 +165,7 @@ def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
 
 
 @dataclass(frozen=True)
-class CpuDispatch:
-    """The CPU's Newton-Schulz choices."""
-
+class CpuDispatch:  # the CPU's Newton-Schulz choices
     dtype: torch.dtype  # float32 or bfloat16
     gram_min_aspect: float  # `method="auto"` runs Gram NS from this long/short ratio (inf: never)
     strips: tuple[tuple[int, int], ...]  # the CPU SYRK's strip table, ((min_rows, strips), ...)
@@ -243,7 +239,7 @@ def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
 
 
 _current: CpuDispatch | None = None
-# Its dtype and ratio as plain globals: torch.compile guards on these, not on the dataclass.
+# Its dtype and ratio as plain globals, for torch.compile's guards (proofs/ns_notes.md).
 _DTYPE: torch.dtype | None = None
 _ASPECT: float | None = None
 
@@ -306,7 +302,6 @@ def agree(group: dist.ProcessGroup | None = None) -> CpuDispatch:
     return install(CpuDispatch.from_json(broadcast_json(None, 0, group), "rank 0"))
 
 
-# Deciding inside torch.compile: run eagerly while tracing, the result a constant of the graph.
 @torch.compiler.assume_constant_result
 def _decide(field: str) -> torch.dtype | float:
     return getattr(cpu_dispatch(), field)
@@ -322,7 +317,6 @@ def _cuda_index(device: torch.device) -> int:
 
 
 def iteration_dtype(device: torch.device) -> torch.dtype:
-    """The device's Newton-Schulz iteration dtype."""
     if device.type == "cpu":
         return _DTYPE if _DTYPE is not None else _decide("dtype")
     if device.type == "cuda":
@@ -343,7 +337,6 @@ def agreed_aspect(device: torch.device) -> float:
 
 
 def dtype_reason(device: torch.device) -> str:
-    """Why `iteration_dtype(device)` is what it is."""
     if device.type == "cpu":
         return cpu_dispatch().why
     if device.type == "cuda":

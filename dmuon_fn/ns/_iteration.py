@@ -14,7 +14,6 @@ from torch import Tensor
 
 Row = tuple[float, float, float]
 
-# The presets and their sources (coefficients.json, package data).
 _TABLES = json.loads(Path(__file__).with_name("coefficients.json").read_text(encoding="utf-8"))
 KELLER: tuple[Row, ...] = tuple(map(tuple, _TABLES["keller"]["rows"]))
 _POLAR_EXPRESS_RAW: tuple[Row, ...] = tuple(map(tuple, _TABLES["polar_express"]["rows"]))

@@ -101,8 +101,7 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     src = G.mT if tall else G  # iterate on the short side
     dt = torch.promote_types(G.dtype, torch.float32)
     it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
-    # Eager: one contiguous buffer holds the normalized copy and, under narrower iterates, the
-    # result. G is transposed before normalizing, so G and Gᵀ give bitwise-transposed results.
+    # Eager: one buffer holds the normalized copy and, under narrower iterates, the result.
     buf = None
     if plain_eager():
         reuse = overwrite and not tall and G.dtype == dt and G.is_contiguous()

@@ -64,5 +64,4 @@ def keep(ok: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
 
 
 def write(dst: Tensor, new: Tensor, ok: Tensor | None) -> None:
-    """dst ← keep(ok, new, dst), in place (the object API's write)."""
     dst.copy_(keep(ok, new, dst))

@@ -159,8 +159,7 @@ def adamw_update(
     m = torch.lerp(state.exp_avg, g, 1 - beta1)
     v = state.exp_avg_sq * beta2 + (1 - beta2) * g * g
     bc1 = 1 - beta1**t
-    bc2_sqrt = torch.sqrt(1 - beta2**t)
-    denom = torch.sqrt(v) / bc2_sqrt + eps
+    denom = torch.sqrt(v) / torch.sqrt(1 - beta2**t) + eps
     new = param * (1 - lr * weight_decay) - (lr / bc1) * (m / denom)
     return new.to(param.dtype), AdamWState(t, m, v)
 

@@ -188,9 +188,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
 
 
 def measure_gemm_flops(
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    n: int | None = None,
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None, n: int | None = None
 ) -> float:
     """FLOP/s of an n×n GEMM (best of 3 after a warm-up) on `device` (default: the current CUDA
     device, else the CPU) in `dtype` (default: its NS iteration dtype); n defaults to 1024 on a
@@ -226,16 +224,6 @@ def _scaled(x: float, unit: str, binary: bool = False) -> tuple[float, str]:
 
 def _seconds(t: float) -> str:
     return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
-
-
-def _shown(s: PlanSummary) -> list[int]:
-    """Slots in the table: all of a small job; else first/last few, busiest, least loaded."""
-    S = s.world_size
-    if S <= _FULL_TABLE:
-        return list(range(S))
-    by_load = sorted(range(S), key=lambda i: (-s.slots[i].rank_ns_flops, i))
-    keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
-    return sorted(keep | {s.busiest, s.least})
 
 
 def _render(s: PlanSummary) -> list[str]:
@@ -281,7 +269,11 @@ def _render(s: PlanSummary) -> list[str]:
     )
     # busiest last: a slot both busiest and least is marked busiest
     tags = {s.least: " <- least", s.busiest: " <- busiest"} if s.total_ns_flops else {}
-    shown = _shown(s)  # from slot 0 to slot S - 1
+    shown = list(range(S))
+    if S > _FULL_TABLE:  # first/last few, busiest, least loaded
+        by_load = sorted(range(S), key=lambda i: (-s.slots[i].rank_ns_flops, i))
+        keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
+        shown = sorted(keep | {s.busiest, s.least})
     for i, prev in zip(shown, [-1, *shown[:-1]], strict=True):
         if i > prev + 1:
             lines.append(f"{'':>{w}}  ... {i - prev - 1} ranks not shown (all in as_dict())")

@@ -1,6 +1,4 @@
-"""One rank's view of a `Plan`, read by both faces: the rank at (shard_rank, replica_rank) is a
-parameter's *local owner* when its owner slot has the same shard (it holds the full parameter
-between steps), its *global owner* when the replica matches too (master, state, update)."""
+"""One rank's view of a `Plan`, read by both faces (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,8 @@ from ._partition import Plan
 
 @dataclass(frozen=True)
 class RankView:
-    """`plan` seen from the rank at (shard_rank, replica_rank); plain hashable data."""
+    """`plan` from (shard_rank, replica_rank): *local owner* of a parameter whose owner slot has
+    this shard (full value between steps), *global owner* if the replica matches (master, state)."""
 
     plan: Plan
     shard_rank: int = 0
