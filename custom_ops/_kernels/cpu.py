@@ -54,8 +54,7 @@ def _as_batched(t: Tensor) -> Tensor:
 
 
 def _mirror_lower_(out: Tensor, bounds: list[int]) -> Tensor:
-    """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds` (through
-    a scratch buffer of padded row stride when n is a multiple of 128: fewer cache conflicts)."""
+    """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds`."""
     scratch = None
     if out.shape[-1] % 128 == 0:  # one buffer for every strip: the tallest by the widest part
         rows = max(r1 - r0 for r0, r1 in itertools.pairwise(bounds))

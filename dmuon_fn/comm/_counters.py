@@ -61,8 +61,6 @@ class PhaseStats:
 
 
 class _Phases:
-    """The current phase's name (default "other"), switched by `phase(name)` for a block."""
-
     _phase = "other"
 
     @contextlib.contextmanager

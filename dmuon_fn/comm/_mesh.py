@@ -1,5 +1,4 @@
-"""Checks of what both faces (dedicated/, functional/) accept, mesh shapes and mixed-precision
-dtypes, and the process groups dmuon_fn's own traffic runs on."""
+"""What both faces accept (meshes, mixed-precision dtypes), and dmuon_fn's own process groups."""
 
 from __future__ import annotations
 

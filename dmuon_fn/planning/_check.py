@@ -1,6 +1,5 @@
-"""Cross-rank checks that every rank computed the same plan and setup: each gathers a small JSON
-record from every rank of the group, so all ranks return or all raise `PlanMismatchError` naming
-what differs (proofs/partition.md §6)."""
+"""Cross-rank checks of one plan and setup (proofs/partition.md §6): each gathers a JSON record from
+every rank of the group; all ranks return, or all raise `PlanMismatchError` naming what differs."""
 
 from __future__ import annotations
 

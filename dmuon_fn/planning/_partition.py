@@ -187,8 +187,7 @@ def partition(
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
         may be and still be chosen (0: never above plain LPT's maximum load).
     tensor_size, layouts: T tensor ranks; {name: layout} for every name ("Shard(0)",
-        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'.
-    """
+        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'."""
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
     if world_size % replicate_size:

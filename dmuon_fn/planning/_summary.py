@@ -1,6 +1,5 @@
-"""The plan a job runs, readable: `plan_summary(plan)` is a frozen `PlanSummary` of per-slot rows
-and job totals (FLOPs: `Plan.ns_flops`), `str()` a compact table, `as_dict()` JSON-ready data;
-with a GEMM rate, seconds per step. Guarantees: proofs/summary.md."""
+"""`plan_summary(plan)`: a frozen `PlanSummary` of per-slot rows and job totals (`Plan.ns_flops`;
+seconds with a GEMM rate); `str()` a table, `as_dict()` JSON-ready data (proofs/summary.md)."""
 
 from __future__ import annotations
 
