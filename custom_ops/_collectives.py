@@ -86,7 +86,6 @@ class PairReduce:
 
 
 def _gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether `pg` runs collectives on tensors of `device` with gloo."""
     backend = str(dist.get_backend(pg))  # "gloo", or one per device: "cpu:gloo,cuda:nccl"
     per_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {}
     return per_device.get(device.type, backend) == "gloo"

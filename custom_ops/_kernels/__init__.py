@@ -1,9 +1,8 @@
-"""SYRK kernels behind `dmuon::syrk` and the Newton-Schulz steps, as plain data in `KERNELS`.
+"""SYRK kernels behind `dmuon::syrk` and NS steps, data in `KERNELS`, picked by `resolve_kernel`.
 
 `sym_mm(A, B, C, alpha, beta)` = alpha·A·B + beta·C in A's dtype, for A: (..., n, k), B: (..., k, n)
 with A·B symmetric (B = Aᵀ, or commuting symmetric matrices), C: (..., n, n) symmetric or None:
-exactly symmetric where a kernel mirrors a triangle, to rounding where one GEMM computes it.
-`resolve_kernel` picks one per device; the resolved name travels as an op argument."""
+exactly symmetric where a kernel mirrors a triangle, to rounding where one GEMM computes it."""
 
 from __future__ import annotations
 

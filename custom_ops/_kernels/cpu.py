@@ -8,8 +8,7 @@ import itertools
 import torch
 from torch import Tensor
 
-# ((min_rows, strips), ...), min_rows ascending: n rows take the strips of the last entry with
-# min_rows <= n, one GEMM below the first.
+# ((min_rows, strips), ...), min_rows ascending: n rows take the last entry with min_rows <= n
 _CPU_STRIPS: tuple[tuple[int, int], ...] = ()
 _SCRATCH_PAD = 16  # extra elements per row of the mirror's scratch strip
 MIN_STRIP_ROWS = 16  # thinner strips lose more to GEMM overhead than they save
@@ -33,8 +32,7 @@ def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
 
 
 def set_cpu_strips(table) -> None:
-    """Install the process-wide CPU strip table, read when the kernel runs, eager or compiled;
-    every rank of a job must install the same one."""
+    """Install the process-wide CPU strip table (eager and compiled), the same on every rank."""
     global _CPU_STRIPS
     _CPU_STRIPS = check_cpu_strips(table)
 

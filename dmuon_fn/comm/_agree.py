@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 
 def _agree(value: object, send: bool, move: Callable[[torch.Tensor], list], group) -> list:
-    """The values `move` delivers here (`value` goes out if `send`); `move(t)` runs one
-    collective and returns the tensors received (lengths, then bytes)."""
+    """What `move` (one collective: lengths, then bytes) delivers here; `value` goes if `send`."""
     data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode() if send else b""
     backend = str(dist.get_backend(group))
     on_cuda = "nccl" in backend and "gloo" not in backend

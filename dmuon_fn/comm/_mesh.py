@@ -12,7 +12,6 @@ from ._agree import all_gather_json
 
 
 def check_dtype(what: str, dtype: object) -> None:
-    """Raise ValueError naming `what` unless `dtype` is a floating torch dtype or None."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
 

@@ -122,7 +122,6 @@ def race(
 
 
 def choose_dtype(t_fp32: float, t_bf16: float) -> bool:
-    """bf16 iterates when a bf16 GEMM took at most 1/BF16_WIN of the fp32 one's time."""
     return t_bf16 * BF16_WIN <= t_fp32
 
 
@@ -158,8 +157,7 @@ def choose_strips(times: Mapping[int, Mapping[int, float]]) -> tuple[tuple[int, 
 
 
 def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
-    """Rows from which the triangle kernel runs (times[n] = (one GEMM, triangle) at n rows): the
-    `_start` of `choose_aspect(times)`; inf if it lost at the largest."""
+    """Rows from which the triangle kernel runs (inf: never); times[n] = (one GEMM, triangle)."""
     n = choose_aspect(times)
     return n if math.isinf(n) else float(round(_start(sorted(times), n)))
 
@@ -379,8 +377,7 @@ def cuda_triangle_rows(device: torch.device) -> float:
 
 @torch.compiler.assume_constant_result
 def kernel_choice(kernel: str | None, device: torch.device, rows: int | None = None) -> str:
-    """The name of the SYRK kernel that runs on `device` for products of `rows` rows (host-side:
-    a constant of the graph; proofs/dispatch.md Claim 8)."""
+    """The SYRK kernel's name on `device` for `rows`-row products (constant; proofs/dispatch.md)."""
     resolved = custom_ops.resolve_kernel(kernel, device)
     if device.type != "cuda" or resolved is not custom_ops.auto_kernel(device):
         return resolved.name  # an explicit kernel, or a device without a size rule

@@ -1,7 +1,6 @@
-"""The Newton-Schulz iterations (steps 2-4 and both iterations of the algorithm in
-_orthogonalize.py's docstring) and their coefficient rows, each (a, b, c) one quintic step
-X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X. X is (..., n, m) with n <= m, already normalized, in the
-iteration dtype; `impl` names the SYRK kernel (custom_ops.KERNELS)."""
+"""The Newton-Schulz iterations (steps 2-4 and both iterations of _orthogonalize.py's algorithm) and
+their coefficient rows, each (a, b, c) one quintic step X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X. X is
+(..., n, m), n <= m, normalized, in the iteration dtype; `impl`: a kernel of custom_ops.KERNELS."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def schedule(coefficients: str | Sequence[Sequence[float]], steps: int) -> tuple
 
 
 def plain_eager() -> bool:
-    """Whether buffers may be reused through out= and in-place writes: not under torch.compile
-    nor a torch.func transform (proofs/ns_notes.md)."""
+    """Whether buffers may be reused through out= and in-place writes (proofs/ns_notes.md)."""
     return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 

@@ -1,6 +1,5 @@
 """Orthogonalization by Newton-Schulz: O ≈ U·Vᵀ for G = U·Σ·Vᵀ. The algorithm, once (proofs:
 gram_ns.md, ns_symmetry.md, normalization.md):
-
     1. if rows > cols: X ← Gᵀ             iterate on the short side
     2. X ← X / max|X|                     in fp32 (fp64 stays fp64): no overflow, exact zeros kept
     3. X ← X / (‖X‖_F + eps)              spectral norm ≤ 1, so every σ lies in [0, 1]

@@ -267,8 +267,7 @@ def partition(
 
 
 def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
-    """Per parameter, its owner slot's tensor rank that runs its Newton-Schulz: each slot's
-    matrices scheduled by NS FLOPs (proofs/partition.md §8)."""
+    """Per parameter, its owner slot's tensor rank that runs its NS (proofs/partition.md §8)."""
     out = [0] * len(slots)
     per_slot: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(slots):

@@ -145,8 +145,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     if gemm_flops is not None:
         positive = "finite and > 0 (FLOP/s, e.g. 4e14)"
         gemm_flops = float(_check("gemm_flops", gemm_flops, lambda v: 0 < v < math.inf, positive))
-    flops = plan.ns_flops
-    total = math.fsum(flops)
+    flops, total = plan.ns_flops, math.fsum(plan.ns_flops)
     members: list[list[int]] = [[] for _ in range(plan.world_size)]
     for i, s in enumerate(plan.slots):
         members[s].append(i)
