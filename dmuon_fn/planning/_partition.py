@@ -68,8 +68,7 @@ class Plan:
     slot_loads: tuple[float, ...]  # per slot: sum of costs
     slot_bytes: tuple[int, ...]  # per slot: sum of nbytes
     ns_flops: tuple[float, ...]  # per parameter: the Newton-Schulz part of its cost (elementwise 0)
-    # tensor parallelism: each parameter's layout, and the tensor rank of its owner slot that runs
-    # its Newton-Schulz (the slot's T tensor ranks each hold and update a part of it)
+    # tensor parallelism (proofs/partition.md §8): per parameter, its layout and its NS tensor rank
     tensor_size: int = 1
     tensor_slots: tuple[int, ...] = ()
     layouts: tuple[str, ...] = ()
@@ -191,8 +190,7 @@ def partition(
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
         may be and still be chosen (0: never above plain LPT's maximum load).
     tensor_size, layouts: T tensor ranks; {name: layout} for every name ("Shard(0)",
-        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'.
-    """
+        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'."""
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
     if world_size % replicate_size:
@@ -218,7 +216,6 @@ def partition(
     ew = set(elementwise)
     matrix = [len(sh) >= 2 and n not in ew for n, sh in zip(names, shapes, strict=True)]
     nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
-    # 0.0 for elementwise params: 0.0 + the byte term is exact
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
     ns = [
         ns_flops((sh[0], math.prod(sh) // sh[0]), **ns_kw, min_aspect=gram_min_aspect) if m else 0.0
@@ -251,7 +248,6 @@ def partition(
     tensor_slots, layout = [], ()
     if tensor_size > 1 or layouts is not None:
         tensor_slots = _tensor_slots(slots, ns, tensor_size)
-        # default plain: a whole copy on each tensor rank
         layout = tuple((layouts or {}).get(n, "plain") for n in names)
 
     return Plan(
@@ -274,8 +270,7 @@ def partition(
 
 
 def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
-    """Per parameter, its owner slot's tensor rank that runs its Newton-Schulz: each slot's
-    matrices scheduled by NS FLOPs (proofs/partition.md §8)."""
+    """Per parameter, its owner slot's tensor rank that runs its NS (proofs/partition.md §8)."""
     out = [0] * len(slots)
     per_slot: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(slots):
