@@ -84,9 +84,8 @@ def load_state(path: PathLike, state: State) -> State:
     new = tree_map_only(torch.Tensor, torch.clone, _counted(state))
     hyper = state.config.groups()
     groups = {kind: hyper[kind] for kind in _kinds(state)}
-    config = state.config.with_groups(
-        _load(path, *_state_keys(new, load=True), groups, known_only=True)
-    )
+    loaded = _load(path, *_state_keys(new, load=True), groups, known_only=True)
+    config = state.config.with_groups(loaded)
     # the same object when nothing changed: a compiled step guarded on it need not recompile
     return new._replace(config=state.config if config == state.config else config)
 
@@ -172,8 +171,7 @@ def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load:
 
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:
-    """A dedicated tensor as saved: under tensor parallelism this rank's part as a DTensor of
-    the whole (so DCP reshards it to any tensor-parallel degree)."""
+    """A dedicated tensor as saved (tensor parallelism: its part, a DTensor of the whole)."""
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
@@ -190,9 +188,7 @@ def _state_keys(state: State, *, load: bool) -> Keys:
     for n in fp.names:
         items = state_items(state.opt[n])
         shapes[f"model.{n}"] = fp.shape(n)
-        shapes.update(
-            {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
-        )
+        shapes |= {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
             sd[f"model.{n}"] = state.params[n]
         if fp.is_global_owner(n):
