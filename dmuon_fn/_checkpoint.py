@@ -70,8 +70,7 @@ def save_state(
     given = dict(
         lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay
     )
-    # the values the run used, validated as a Config's (adamw_lr None: lr)
-    used = {k: float(v) for k, v in given.items() if v is not None}
+    used = {k: float(v) for k, v in given.items() if v is not None}  # checked as a Config's
     hyper = dataclasses.replace(state.config, **used).groups()
     sd, _ = _state_keys(state, load=False)
     _dcp(dcp.save, path, sd | _group_entries({kind: hyper[kind] for kind in _kinds(state)}))
@@ -98,9 +97,8 @@ def _group_entries(hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _load(
     path: PathLike, sd: dict, shapes: dict, groups: dict[str, Any], *, known_only: bool
 ) -> dict[str, dict[str, Any]]:
-    """Check the checkpoint's keys and full shapes against `shapes`, load `sd` and the values of
-    its param-group keys of `groups`' kinds (known_only: of names `groups[kind]` has) ->
-    {kind: {name: value}}."""
+    """Check the keys and full shapes against `shapes`, load `sd` and the param-group values of
+    `groups`' kinds (known_only: of names `groups[kind]` has): {kind: {name: value}}."""
     try:
         md = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError as err:
@@ -211,9 +209,7 @@ def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:
             raise ValueError(f"{where}: {k!r} has shape {saved[k]}, the model's is {shape}")
     extra = sorted(set(saved) - set(want))
     if extra:
-        raise ValueError(
-            f"{where} has {extra[0]!r}, which this model lacks ({len(extra)} such keys)"
-        )
+        raise ValueError(f"{where} has {extra[0]!r}, not in this model ({len(extra)} such keys)")
 
 
 def _why(key: str, saved: dict[str, tuple]) -> str:

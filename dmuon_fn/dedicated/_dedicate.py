@@ -46,11 +46,12 @@ def dedicate_params(
     mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`;
         tensor parallelism: `parallelize_module` over the 'tp' dim first, then the data dim of
         the same mesh, ('dp', 'tp') or ('replicate', 'shard', 'tp'); proofs/tensor_parallel.md).
-    pure: dedicate every parameter (predicate ignored): matrices take Muon and the rest AdamW on
-        their owners; no FSDP2 needed.
-    param_dtype: the gather and compute dtype (as FSDP2's MixedPrecisionPolicy; default: the
-        parameter's); the global owner keeps the master in the parameter's dtype promoted to at
-        least fp32. reduce_dtype: the gradient sums' (default: param_dtype's).
+    reshard_after_forward: True, Z3 (gathered again in backward); False, Z2 (the copies kept).
+    pure: dedicate every parameter (predicate ignored): Muon on matrices and AdamW on the rest
+        by their owners; no FSDP2 needed.
+    param_dtype: the gather and compute dtype (default: the parameter's); the global owner keeps
+        the master in the parameter's dtype, at least fp32. reduce_dtype: the gradient sums'
+        (default: param_dtype's).
     prefetch: layers whose gathers travel ahead of the one computing (the last forward's order;
         Z3 backward: reversed); 0: every gather and reduce blocks. Z3 holds up to prefetch + 1
         layers' gathered copies.
@@ -136,8 +137,7 @@ def dedicate_params(
                 module._parameters[pname] = e.param
                 uses.setdefault(module, []).append((pname, e))
     install(model, st, uses, prefetch)
-    # equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
-    # HSDP's local owners the global owner's (its master, cast; `to` is a no-op elsewhere)
+    # equal copies: TP's whole copies take tensor rank 0's value, HSDP's the global owner's (cast)
     mine, rep = [e for e in st.entries if st.is_local_owner(e)], st.replicate_group
     for e in mine:
         if tp is not None and not e.tp.sharded:
@@ -260,8 +260,7 @@ class _Z3Saver:
         self.live.clear()
 
     def pack(self, t: Tensor):
-        parts = fsdp.dtensor_unwrap(t)
-        if parts is not None:  # a tensor-parallel part, as the module computes with it
+        if (parts := fsdp.dtensor_unwrap(t)) is not None:  # a tensor-parallel part, as computed
             inner = self.pack(parts[0])
             return t if inner is parts[0] else (inner, parts[1], t.requires_grad)
         # another subclass has no storage of its own to look up and is never one of ours
@@ -304,10 +303,8 @@ def install(
     for m, s in uses.items():
         of = {id(e): b for b in buckets[m] for e in b.entries}
         _module_hooks(m, [(n, Slot(e, units[unit_key[m]], of[id(e)], st)) for n, e in s], st)
-    for key, unit in units.items():
-        holder = modules.get(key)
-        if holder is not None and holder not in uses:  # a block around the parameters' modules
-            # issues its unit's gathers before its modules run (compiled: the first one's hook)
+    for key, unit in units.items():  # a block around the modules issues its unit's gathers first
+        if (holder := modules.get(key)) is not None and holder not in uses:
             holder.register_forward_pre_hook(_eager(lambda u=unit: st.scheduler.open_unit(u)))
     # (a compiled root: no recorded order, every gather issued when needed)
     model.register_forward_pre_hook(_eager(lambda: st.scheduler.begin_forward()))

@@ -39,22 +39,19 @@ def updates_here(st: DedicatedState, p: Tensor) -> bool:
 def steps_here(st: DedicatedState, p: Tensor) -> bool:
     """Whether this step updates `p` here. A dedicated parameter no gradient reached (a stale
     grad kept by zero_grad(set_to_none=False)) is skipped on every rank, as by the publish."""
-    if p.grad is None or not updates_here(st, p):
-        return False
     e = st.entry(p)
-    return e is None or e.touched
+    return p.grad is not None and updates_here(st, p) and (e is None or e.touched)
 
 
 class Muon(torch.optim.Optimizer):
     """Param groups (hyperparameters from `Config.groups()`, LR schedulers welcome): "muon", the
-    dedicated matrices, each updated by its global owner (under tensor parallelism by every
-    tensor rank of it, under HSDP then published to the other replicas); "adamw", the rest
-    (FSDP2 shards shard-locally, dedicated non-matrices by their owner, plain parameters on a
-    world of one). Every rank's state has the same keys (0-size where it does not update): save
-    and load every rank's `state_dict()`. gather_in_step=True (1-D mesh, prefetch >= 1): the
-    step also issues the next forward's gathers; dedicated parameters must not change before
-    that forward, whose root runs eagerly. `skipped_steps`, `grad_norm`: the guard's counters
-    (0-d device tensors, int64 and float32)."""
+    dedicated matrices, each updated by its global owner (tensor parallelism: by each tensor rank
+    of it; HSDP: then published to the other replicas); "adamw", the rest (FSDP2 shards
+    shard-locally, dedicated non-matrices by their owner, plain parameters on a world of one).
+    Every rank's state has the same keys (0-size where it does not update): save and load every
+    rank's `state_dict()`. gather_in_step=True (1-D mesh, prefetch >= 1): the step also issues the
+    next forward's gathers; dedicated parameters must not change before that forward, whose root
+    runs eagerly. Guard counters: `skipped_steps` (int64), `grad_norm` (float32), 0-d on device."""
 
     def __init__(
         self,
@@ -258,13 +255,9 @@ class GradGuard:
 
     def held(self) -> list[tuple[str, Tensor, bool]]:
         """(name, local gradient, counted once in the job's sum) per gradient this rank applies."""
-        out = []
-        for group in self.groups:
-            for p in group["params"]:
-                if steps_here(self.st, p):
-                    counted = fsdp.counted_here(p.grad) and id(p) not in self.copies
-                    out.append((self.names[id(p)], fsdp.local(p.grad), counted))
-        return out
+        ps = [p for g in self.groups for p in g["params"] if steps_here(self.st, p)]
+        once = [fsdp.counted_here(p.grad) and id(p) not in self.copies for p in ps]
+        return [(self.names[id(p)], fsdp.local(p.grad), c) for p, c in zip(ps, once, strict=True)]
 
     def global_sq(self) -> Tensor:
         """The job's [Σ‖g‖² counting each value once, Σ‖g‖² over every copy], float64."""

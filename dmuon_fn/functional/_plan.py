@@ -104,14 +104,7 @@ def plan(
     part = partition(shapes, G * R, replicate_size=R, elementwise=adamw, gram_min_aspect=aspect)
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
-    return FnPlan(
-        names=tuple(shapes),
-        shapes=tuple(shapes.values()),
-        muon=muon,
-        trainable=frozenset(n for n, p in named if p.requires_grad),
-        view=RankView(part, shard_rank, rep_rank),
-        group=group,
-        rep_group=rep_group,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-    )
+    names, shapes = tuple(shapes), tuple(shapes.values())
+    trainable = frozenset(n for n, p in named if p.requires_grad)
+    view = RankView(part, shard_rank, rep_rank)
+    return FnPlan(names, shapes, muon, trainable, view, group, rep_group, param_dtype, reduce_dtype)

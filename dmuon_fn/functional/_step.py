@@ -167,8 +167,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _entries(values, rows, routes, token=None):
-    """(values, flat shapes, ndims, flat routes) of an owner op over `values` shaped `rows`; a
-    token adds a 0-size entry on a size-1 route."""
+    """(values, flat shapes, ndims, flat routes) of an owner op; a token joins on a size-1 route."""
     if token is not None:
         values, rows, routes = [*values, token], [*rows, (0,)], [*routes, _SELF]
     return values, _flat(rows), [len(s) for s in rows], _flat(routes)
@@ -215,8 +214,7 @@ def _vjp(fn: StageFn, full, x, batch):
 
 
 class _Blocking:
-    """prefetch=0: each gather and reduce one blocking op where its result is needed, ordered by
-    a token chain. `start_*` return handles, `gathered` / `reduced` their results."""
+    """prefetch=0: each gather and reduce one blocking op where needed, in a token chain."""
 
     def __init__(self, params, fn_plan: FnPlan) -> None:
         self.params, self.plan = params, fn_plan
@@ -314,9 +312,7 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
         loss, pull = _vjp(stages[-1][1], full, x, batch)
         del full
         if loss.ndim != 0:
-            raise ValueError(
-                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
-            )
+            raise ValueError(f"the last stage's loss must be 0-d, got shape {tuple(loss.shape)}")
         cot = torch.ones_like(loss)
         ops.landed = [loss]
         grads: dict[str, torch.Tensor] = {}

@@ -28,9 +28,8 @@ class TensorMesh:
 
 @dataclass(frozen=True, eq=False)
 class TensorLayout:
-    """One dedicated parameter over the tensor ranks: sharded along `dim` (None: a whole copy),
-    `sizes[t]`: tensor rank t's extent along `dim`; `placements`: the module's DTensor's (None:
-    a plain tensor)."""
+    """A dedicated parameter over the tensor ranks: sharded along `dim` (None: whole copies), rank t
+    holding `sizes[t]` of it; `placements`: the module's DTensor's (None: a plain tensor)."""
 
     tp: TensorMesh
     dim: int | None

@@ -1,7 +1,6 @@
-"""The step's one exchange under tensor parallelism: each matrix orthogonalized once in the job.
-The other tensor ranks of a matrix's owner slot send their parts of its Newton-Schulz input u to
-`root` (sharded matrices only), which orthogonalizes the whole u and sends each its part of O:
-two point-to-point batches per step, in the plan's entry order (proofs/tensor_parallel.md)."""
+"""The step's exchange under tensor parallelism: each matrix orthogonalized once in the job, by its
+owner slot's tensor rank `root`, which gathers the parts of the Newton-Schulz input u (sharded
+matrices) and scatters O's: two point-to-point batches per step (proofs/tensor_parallel.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class TensorExchange:
     matrix `e` is anything with a `tp: TensorLayout` (dedicated/_state.Entry)."""
 
     def __init__(self, ns: NSConfig) -> None:
-        self.ns = ns
-        self.ns_calls = 0
+        self.ns, self.ns_calls = ns, 0
         self._posted: list[tuple[Any, int, Tensor]] = []
         self._out: dict[int, Tensor] = {}
         self._scatter: list[dist.Work] = []
@@ -36,8 +34,7 @@ class TensorExchange:
         self._posted.append((e, index, u))
 
     def orthogonalize(self) -> None:
-        """Gather the parts of u to the roots, orthogonalize where this rank is the root, issue
-        the scatter of O's parts."""
+        """Gather u's parts to the roots, orthogonalize there, issue the scatter of O's parts."""
         ops, received = [], {}
         for e, index, u in self._posted:
             lay, tp = e.tp, e.tp.tp
