@@ -209,7 +209,9 @@ def _check(path: PathLike, md: Metadata, want: dict[str, tuple]) -> None:
             raise ValueError(f"{where}: {k!r} has shape {saved[k]}, the model's is {shape}")
     extra = sorted(set(saved) - set(want))
     if extra:
-        raise ValueError(f"{where} has {extra[0]!r}, not in this model ({len(extra)} such keys)")
+        raise ValueError(
+            f"{where} has {extra[0]!r}, which this model lacks ({len(extra)} such keys)"
+        )
 
 
 def _why(key: str, saved: dict[str, tuple]) -> str:
