@@ -93,21 +93,19 @@ def muon_update(
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
     u, new_state = muon_momentum(grad, state, momentum=momentum, nesterov=nesterov)
-    if blocks is not None:
-        spec = check(blocks, param.shape, "the parameter")
-        shapes = {s for _, s in block_shapes(spec, param.shape)}
-        if len(shapes) == 1:  # one block shape: one scale, applied with the step
-            O = orthogonalize_blocks(u, spec, ns)
-            return muon_apply(
-                param, O, lr=lr, weight_decay=weight_decay, adjust_lr=adjust_lr, shape=shapes.pop()
-            ), new_state
+    spec = None if blocks is None else check(blocks, param.shape, "the parameter")
+    parts = [(1, (param.shape[0], param.numel() // param.shape[0]))]  # None: one flat matrix
+    parts = parts if spec is None else block_shapes(spec, param.shape)
+    hyper = {"lr": lr, "weight_decay": weight_decay, "adjust_lr": adjust_lr}
+    if len(parts) > 1:  # blocks of several shapes: each scaled by its own
         O = orthogonalize_blocks(u, spec, ns, scale=lambda m, n: lr_scale((m, n), adjust_lr))
-        return muon_apply(param, O, lr=lr, weight_decay=weight_decay, scale=1.0), new_state
-    # With Nesterov, u is a temporary: orthogonalize may normalize in its buffer and return it.
-    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns, overwrite=nesterov)
-    new = muon_apply(
-        param, O.reshape(param.shape), lr=lr, weight_decay=weight_decay, adjust_lr=adjust_lr
-    )
+        return muon_apply(param, O, **hyper, scale=1.0), new_state
+    count, shape = parts[0]
+    if count > 1:
+        O = orthogonalize_blocks(u, spec, ns)
+    else:  # one matrix; with Nesterov u is a temporary that may hold the result
+        O = orthogonalize_with(u.reshape(shape), ns, overwrite=nesterov).reshape(param.shape)
+    new = muon_apply(param, O, **hyper, shape=shape)
     return new, new_state
 
 
