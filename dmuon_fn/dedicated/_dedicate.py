@@ -8,7 +8,7 @@ device only. Z3 re-gathers in backward (eager: `_Z3Saver`; compiled: `torch.util
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ from custom_ops._collectives import broadcast_into
 from custom_ops._handles import new_handle
 
 from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase
+from ..ns._blocks import Blocks, block_shapes, model_blocks
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
 from ..planning._partition import RankView, layer_keys, partition
@@ -42,6 +43,7 @@ def dedicate_params(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     prefetch: int = 1,
+    blocks: Mapping[str, Blocks | str] | None = None,
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
@@ -56,6 +58,9 @@ def dedicate_params(
     prefetch: layers whose gathers travel ahead of the one computing (the last forward's order;
         Z3 backward: reversed); 0: every gather and reduce blocks. Z3 holds up to prefetch + 1
         layers' gathered copies.
+    blocks: {name or fnmatch pattern: `Blocks` spec} for matrices made of several (experts,
+        fused qkv, heads; ns/_blocks.py); default: conv weights one flattened matrix, other 3+-D
+        parameters a batch of matrices over their leading dims.
     Returns {name: owner}: the shard rank, or (shard, replica) under HSDP (tensor parallelism:
     the data coordinate; `plan.tensor_slot(name)` its root tensor rank).
     """
@@ -103,7 +108,15 @@ def dedicate_params(
         # every parameter's layout over the tensor ranks joins the plan (and its check)
         tensor_size=1 if tmesh is None else tmesh.size(),
         layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
+        blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),
     )
+    split = [n for n, s in shapes.items() if len(s) >= 2 and _blocks(plan.blocks_of(n), s) > 1]
+    if tmesh is not None and split:
+        raise ValueError(
+            f"{split[0]} is made of several matrices ({plan.blocks_of(split[0])}), which tensor "
+            f"parallelism does not split yet: pass blocks={{{split[0]!r}: 'flatten'}} to "
+            "orthogonalize it as one matrix, or leave it out of tensor parallelism"
+        )
     check_plan_consistent(plan)  # before any other collective: ranks that disagree all raise
     tp = None
     if tmesh is not None:
@@ -151,6 +164,10 @@ def dedicate_params(
             broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, R)
     setattr(model, STATE_ATTR, st)
     return {n: plan.owner(e.name) for e in st.entries for n in e.names}
+
+
+def _blocks(spec: Blocks | None, shape: tuple[int, ...]) -> int:
+    return 0 if spec is None else sum(k for k, _ in block_shapes(spec, shape))
 
 
 def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:

@@ -188,9 +188,9 @@ class Muon(torch.optim.Optimizer):
             return
         state = {k: fsdp.local(v) for k, v in self.state[p].items()}
         lp, pure = fsdp.local(p), state_from(KINDS[kind], state)
-        new, s = param_update(
-            kind, lp, fsdp.local(p.grad), pure, group, adjust_lr=cfg.adjust_lr, ns=cfg.ns
-        )
+        blocks = None if e is None else self.st.plan.blocks_of(e.name)
+        hyper = {"adjust_lr": cfg.adjust_lr, "ns": cfg.ns, "blocks": blocks}
+        new, s = param_update(kind, lp, fsdp.local(p.grad), pure, group, **hyper)
         self.ns_calls += kind == "muon"
         guard.write(lp, new, ok)
         for k, v in state_items(s).items():

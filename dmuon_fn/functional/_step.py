@@ -120,7 +120,14 @@ def update(
             continue
         kind = "muon" if n in p_.muon else "adamw"
         new, s = param_update(
-            kind, params[n], grads[n], opt[n], hyper[kind], adjust_lr=cfg.adjust_lr, ns=cfg.ns
+            kind,
+            params[n],
+            grads[n],
+            opt[n],
+            hyper[kind],
+            adjust_lr=cfg.adjust_lr,
+            ns=cfg.ns,
+            blocks=p_.partition.blocks_of(n),
         )
         params[n] = guard.keep(ok, new, params[n])
         opt[n] = type(s)(*(guard.keep(ok, a, b) for a, b in zip(s, opt[n], strict=True)))

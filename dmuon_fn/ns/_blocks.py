@@ -28,12 +28,14 @@ Grammar (`str(spec)` writes it, `Blocks.parse` reads it back; only this form is 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 from ._orthogonalize import NSConfig, orthogonalize_with
@@ -306,3 +308,28 @@ def orthogonalize_blocks(
         O = orthogonalize_with(p[0], cfg)[None] if p.shape[0] == 1 else orthogonalize_with(p, cfg)
         out.append(O if scale is None else O.mul_(scale(p.shape[-2], p.shape[-1])))
     return from_blocks(out, spec, G.shape)
+
+
+def model_blocks(
+    model: nn.Module, matrices: Collection[str], given: Mapping[str, Blocks | str] | None
+) -> dict[str, Blocks | str]:
+    """The specs the faces plan `matrices` (names of `model`'s Muon parameters) with: `given`'s
+    keys are names or fnmatch patterns (the first that matches a name wins), a conv weight not
+    given is "flatten"; names left out take `partition`'s default. ValueError for a key that
+    matches none of `matrices`."""
+    convs = {
+        f"{prefix}.weight".lstrip(".")
+        for prefix, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, nn.modules.conv._ConvNd)
+    }
+    out: dict[str, Blocks | str] = {}
+    for key, spec in (given or {}).items():
+        hits = [n for n in matrices if fnmatch.fnmatchcase(n, key)]
+        if not hits:
+            raise ValueError(
+                f"blocks: {key!r} names none of the Muon matrices; keys are parameter names or "
+                f"fnmatch patterns of them, e.g. '*.experts.gate_up_proj'"
+            )
+        out.update((n, spec) for n in hits if n not in out)
+    out.update((n, Blocks(flatten=True)) for n in matrices if n in convs and n not in out)
+    return out

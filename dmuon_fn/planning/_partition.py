@@ -74,8 +74,8 @@ class Plan:
     tensor_size: int = 1
     tensor_slots: tuple[int, ...] = ()
     layouts: tuple[str, ...] = ()
-    # per parameter: how it is made of matrices (a `Blocks` string; "" when elementwise)
-    blocks: tuple[str, ...] = ()
+    # per parameter: how it is made of matrices (None when elementwise)
+    blocks: tuple[Blocks | None, ...] = ()
 
     @property
     def shard_size(self) -> int:
@@ -110,9 +110,9 @@ class Plan:
         """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP)."""
         return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
-    def blocks_of(self, name: str) -> str:
-        """`name`'s `Blocks` string ("" for an elementwise parameter; "matrix" in older plans)."""
-        return self.blocks[self._index(name)] if self.blocks else "matrix"
+    def blocks_of(self, name: str) -> Blocks | None:
+        """How `name` is made of matrices (None: elementwise; a plan without: one matrix)."""
+        return self.blocks[self._index(name)] if self.blocks else Blocks()
 
     def canonical(self) -> str:
         """The JSON `digest` hashes: sizes and (name, shape, slot) in name order; with tensor
@@ -129,8 +129,8 @@ class Plan:
         if self.tensor_slots or self.layouts:
             body["tensor_size"] = self.tensor_size
             body["tensor"] = [list(x) for x in zip(self.layouts, self.tensor_slots, strict=True)]
-        if any(b not in ("", "matrix") for b in self.blocks):
-            body["blocks"] = list(self.blocks)
+        if any(b is not None and b != Blocks() for b in self.blocks):
+            body["blocks"] = [str(b) if b is not None else "" for b in self.blocks]
         return json.dumps(body, separators=(",", ":"), ensure_ascii=True)
 
     def digest(self) -> str:
@@ -287,7 +287,7 @@ def partition(
         tensor_size=tensor_size,
         tensor_slots=tuple(tensor_slots),
         layouts=layout,
-        blocks=tuple(str(b) if b else "" for b in specs),
+        blocks=tuple(specs),
     )
 
 
