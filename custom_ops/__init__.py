@@ -1,5 +1,4 @@
-"""`torch.ops.dmuon`: the project's custom ops, one per file; importing this package registers
-every op. Imports torch only."""
+"""`torch.ops.dmuon`: the custom ops, one per file, all registered on import; imports torch only."""
 
 from . import collective_wait as _collective_wait  # noqa: F401  (each import registers its op)
 from . import gather_start as _gather_start  # noqa: F401

@@ -1,8 +1,6 @@
-"""c10d collectives behind the communication ops and dmuon_fn's object API; `define_async`, the
-one way an op that issues collectives is defined; the tickets of its _start ops. Groups are a
-ProcessGroup or its name (ops carry the name); a group of size 1 needs no torch.distributed.
-Rationale: proofs/custom_ops_notes.md, "Communication ops".
-"""
+"""c10d collectives behind the communication ops and the object API; `define_async`, which defines
+every op that issues collectives, and its _start ops' tickets. A group is a ProcessGroup or its
+name (ops carry names); size 1 needs no torch.distributed (proofs/custom_ops_notes.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ _NEXT_TICKET = itertools.count(1)
 
 
 def issue_ticket(finish: Finish, *, once: bool = True) -> Tensor:
-    """Register `finish`; return its ticket, a (1,) int64 CPU tensor keying it. once=False:
-    redeemable again and again (`finish` must then be repeatable)."""
+    """`finish`'s new ticket, a (1,) int64 CPU tensor; once=False: redeemable again and again."""
     key = next(_NEXT_TICKET)
     _PENDING[key] = (finish, once)
     with torch.profiler.record_function("dmuon::ticket"):  # its own label: not a gathered copy
@@ -89,7 +86,6 @@ class PairReduce:
 
 
 def _gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether `pg` runs collectives on tensors of `device` with gloo."""
     backend = str(dist.get_backend(pg))  # "gloo", or one per device: "cpu:gloo,cuda:nccl"
     per_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {}
     return per_device.get(device.type, backend) == "gloo"
@@ -101,8 +97,7 @@ def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
     if dist.get_world_size(pg) == 2 and t.device.type == "cpu" and _gloo(pg, t.device):
         me = dist.get_rank(pg)
         return PairReduce(t, dist.get_global_rank(pg, 1 - me), pg, owner=me == dst)
-    dst_global = dist.get_global_rank(pg, dst)
-    return dist.reduce(t, dst=dst_global, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    return dist.reduce(t, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
 
 
 def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
@@ -112,8 +107,7 @@ def split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
 
 
 def per_param(tensors: list[Tensor], shapes: list[int], ndims: list[int], routes: list[int]):
-    """(tensor, shape, route) per parameter: `shapes` cut by `split_shapes`, six `routes` ints
-    each, (src, is_src, group_size, rep_src, is_rep_src, rep_size)."""
+    """(tensor, shape, route) per parameter: `shapes` cut by `split_shapes`, `routes` by six."""
     routes_ = [tuple(routes[i : i + 6]) for i in range(0, len(routes), 6)]
     return zip(tensors, split_shapes(shapes, ndims), routes_, strict=True)
 

@@ -1,7 +1,5 @@
-"""The project's on-disk cache: `$DMUON_CACHE_DIR` when set, else `$XDG_CACHE_HOME/dmuon_fn`
-(XDG_CACHE_HOME defaults to ~/.cache), and a lock for filling one entry at a time. Every entry
-can be deleted at any time.
-"""
+"""The on-disk cache, `$DMUON_CACHE_DIR` or else `$XDG_CACHE_HOME/dmuon_fn` (default ~/.cache),
+and a lock to fill one entry at a time. Any entry may be deleted at any time."""
 
 from __future__ import annotations
 

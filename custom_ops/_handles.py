@@ -1,7 +1,5 @@
-"""Handles: (1,) float64 CPU tensors whose value keys a weakly held registry of `Handler`s
-(dmuon_fn's object API: one per dedicated parameter's module slot); dmuon::gather_start,
-param_gather and param_reduce take them (proofs/custom_ops_notes.md, "Handles").
-"""
+"""Handles: (1,) float64 CPU tensors keying a weak registry of the object API's `Handler`s,
+taken by dmuon::gather_start, param_gather and param_reduce (proofs/custom_ops_notes.md)."""
 
 from __future__ import annotations
 

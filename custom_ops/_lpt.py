@@ -1,10 +1,7 @@
-"""Owner scheduling in plain Python, behind `dmuon::lpt_partition` and `dmuon_fn.partition`.
-
-Items 0..n-1 have a cost, a group (a layer; -1 for none) and a byte count. Slots 0..S-1 form R
-replicas of G = S / R shard columns: slot s is shard s % G of replica s // G. Steps: 1. LPT,
-2. refine, 3. spread each group over the columns, 4. balance column bytes; on exact integers,
-every choice deterministic in index order (proofs/custom_ops_notes.md, proofs/partition.md).
-"""
+"""Owner scheduling behind `dmuon::lpt_partition` and `dmuon_fn.partition`. Items have a cost, a
+group (a layer; -1: none) and bytes; slot s of S = R·G is shard s % G of replica s // G. Steps:
+1. LPT, 2. refine, 3. spread each group over the G columns, 4. balance column bytes; on exact
+integers, deterministic in index order (proofs/custom_ops_notes.md, proofs/partition.md)."""
 
 from __future__ import annotations
 
@@ -123,7 +120,6 @@ class _State:
         return (self.loads[src] - self.loads[dst]) // 2
 
     def bundles(self, s: int) -> list[Bundle]:
-        """One or two items of slot s, by (cost, bytes) class: (cost, bytes, item lists)."""
         classes: dict[tuple[int, int], list[int]] = {}
         for i in sorted(self.members[s]):
             classes.setdefault((self.costs[i], self.nbytes[i]), []).append(i)
@@ -137,10 +133,9 @@ class _State:
         return out
 
     def best(self, srcs, dsts, axis: int, center, score, strict: bool = False):
-        """Lowest-scoring exchange (score, src, A, dst, B) or None. srcs: [(slot, bundles)]; B
-        bundles are walked outward from A's cost (axis 0) or bytes (1) - center(src, dst), along
-        which `score` (None: skip) must not decrease. Never raises the spread excess (strict:
-        lowers it)."""
+        """Lowest-scoring exchange (score, src, A, dst, B) or None; srcs: [(slot, bundles)]. B
+        walks outward from A's cost (axis 0) or bytes (1) - center(src, dst), where `score` (None:
+        skip) does not decrease. Never raises the spread excess (strict: lowers it)."""
         best = None
         for dst in dsts:
             bs = sorted([(0, 0, ()), *self.bundles(dst)], key=lambda x: (x[axis], x[:2]))
@@ -195,7 +190,6 @@ class _State:
         return after < before or (after == before and not strict)
 
     def apply(self, src: int, A, dst: int, B) -> None:
-        """Move items A from src to dst and items B from dst to src."""
         for items, frm, to in ((A, src, dst), (B, dst, src)):
             for i in items:
                 self.members[frm].discard(i)

@@ -1,5 +1,4 @@
-"""The registry of every `torch.ops.dmuon` op with its samples (tests/test_op_contract.py runs
-them all), and what the op files share: input checks, the vmap rule."""
+"""The registry of dmuon ops and samples (tests/test_op_contract.py); shared input checks, vmap."""
 
 from __future__ import annotations
 

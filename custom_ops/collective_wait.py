@@ -1,11 +1,9 @@
 """dmuon::collective_wait — the results of an asynchronous collective op, once landed.
 
-ticket: what a dmuon::*_start op returned, redeemed once; like[i]: a tensor (0-size will do) of
-output i's dtype and device; shapes/ndims: the outputs' shapes, flattened as in
-dmuon::owner_broadcast; `after` orders the wait after the computation the collectives overlap.
-Returns the outputs in order. No autograd. Side-effectful: a rank that drops the result must
-still wait for the collectives.
-"""
+ticket: a dmuon::*_start op's, redeemed once; like[i]: a tensor (0-size will do) of output i's dtype
+and device; shapes/ndims: the outputs' shapes, flattened as in dmuon::owner_broadcast; `after`
+orders the wait after the computation the collectives overlap. Returns the outputs in order. No
+autograd; side-effectful: a rank that drops the result still waits."""
 
 from __future__ import annotations
 

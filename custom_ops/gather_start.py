@@ -1,10 +1,8 @@
 """dmuon::gather_start — issue the gathers of a block's dedicated parameters before it computes.
 
-handles: the handles (custom_ops._handles) of one unit's parameters. The handler issues the
-unit's gathers (collectives on every rank of the group, in one order) unless they are on their
-way, and returns at once; each dmuon::param_gather waits for its value later. No outputs, no
-autograd. Side-effectful, never eliminated.
-"""
+handles: one unit's (custom_ops._handles). The handler issues the unit's gathers (collectives on
+every rank of the group, in one order) unless on their way, and returns; dmuon::param_gather waits
+for each value. No outputs or autograd; side-effectful, never eliminated."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ With X_k = Q_k·X_0 and R_k = X_k·X_kᵀ, every product below is of commuting s
     Q_z' = Z·Q_z + a·Q_z + q·Z              (q·Z when Q_z is None, i.e. Q = q·I)
     R'   = Z·T + a·T,  T = Z·R + a·R        (P·R·P; only when `update_r`)
 so that Q' = (a·q)·I + Q_z'. R: (..., n, n); Q_z: (..., n, n) or None. Returns (Q_z', R'), R' a
-(..., 0, 0) placeholder when not `update_r`. No autograd: an optimizer update, as ns_step.
-"""
+(..., 0, 0) placeholder when not `update_r`. No autograd: an optimizer update, as ns_step."""
 
 from __future__ import annotations
 

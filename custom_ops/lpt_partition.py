@@ -1,10 +1,8 @@
 """dmuon::lpt_partition — owner slot of each scheduling unit, by the planner's algorithm.
 
-costs: (n,) real, finite, >= 0 (FLOPs per unit); world_size: the slot count S; groups: (n,)
-int64 layer id per unit, -1 for none; nbytes: (n,) real bytes per unit; replicate_size: R
-dividing S. Returns (n,) int64 slots in [0, S) on costs' device, computed on the host by
-`custom_ops._lpt.schedule` (as `dmuon_fn.partition`). No autograd: integer slots.
-"""
+costs: (n,) real, finite, >= 0 (FLOPs per unit); world_size: S slots; groups: (n,) int64 layer ids,
+-1: none; nbytes: (n,) real bytes; replicate_size: R dividing S. Returns (n,) int64 slots in [0, S)
+on costs' device, from `custom_ops._lpt.schedule` on the host. No autograd."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ X: (..., n, m) with n <= m (the caller transposes tall matrices). Returns X' in 
     A  = X·Xᵀ                     (syrk)
     B  = b·A + c·A²               (syrk of the symmetric A, with C = A)
     X' = a·X + B·X                (one full GEMM)
-No autograd: the step computes an optimizer update under no_grad.
-"""
+No autograd: the step computes an optimizer update under no_grad."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """dmuon::owner_broadcast(_start) — each parameter's full tensor, from its owner, on every rank.
 
-locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder elsewhere; shapes:
-the full shapes, flattened, ndims[i] entries for parameter i; routes: 6 ints per parameter,
-(src, is_src, group_size, rep_src, is_rep_src, rep_size), src a rank of `group` (a process-group
-name), the last three for dmuon::two_stage_reduce; `after` only orders the call. Returns the full
-tensors, in order (the _start form: a ticket for dmuon::collective_wait). No autograd: their
-gradients go back with dmuon::two_stage_reduce.
-"""
+locals[i]: the full tensor on parameter i's source rank, a 0-size placeholder elsewhere; shapes: the
+full shapes flattened, ndims[i] entries for parameter i; routes: 6 ints per parameter, (src, is_src,
+group_size, rep_src, is_rep_src, rep_size), src a rank of the process group named `group`, the last
+three for dmuon::two_stage_reduce; `after` only orders the call. Returns the full tensors in order
+(_start: a ticket for dmuon::collective_wait); no autograd (gradients: dmuon::two_stage_reduce)."""
 
 from __future__ import annotations
 

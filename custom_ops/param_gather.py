@@ -3,8 +3,7 @@
 handle: names the parameter (custom_ops._handles); shape, dtype, device: the full value's, the
 same on every rank. The handler runs the broadcast from the owner (a collective on every rank of
 the group). Autograd: the gradient goes to dmuon::param_reduce, whose result is the handle's
-gradient. Side-effectful, not tagged seeded: Z3 recomputes it (proofs/custom_ops_notes.md).
-"""
+gradient. Side-effectful, not tagged seeded: Z3 recomputes it (proofs/custom_ops_notes.md)."""
 
 from __future__ import annotations
 

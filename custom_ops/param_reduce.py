@@ -1,10 +1,8 @@
 """dmuon::param_reduce — sum a dedicated parameter's gradient onto its owner.
 
-grad: the full-shape gradient of what dmuon::param_gather returned for `handle`. The handler runs
-the reduction (a collective on every rank of the group) and leaves the result where the owner
-keeps it (dmuon_fn: the global owner's `param.grad`). Returns ones shaped like the handle (the
-handle's gradient). No autograd: it is dmuon::param_gather's backward.
-"""
+grad: the full-shape gradient of dmuon::param_gather's value for `handle`; the handler sums it onto
+the owner (a collective on every rank of the group; dmuon_fn: into the global owner's `param.grad`).
+Returns ones shaped like the handle, its gradient. No autograd: dmuon::param_gather's backward."""
 
 from __future__ import annotations
 

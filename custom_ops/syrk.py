@@ -2,8 +2,7 @@
 
 A: (..., n, k); C: (..., n, n) symmetric, A's dtype, or None. Returns (..., n, n) in A's dtype,
 exactly symmetric where the kernel mirrors a triangle, to rounding where one GEMM computes it.
-`impl`: a kernel of `custom_ops.KERNELS` ("auto" resolves per device, honouring $DMUON_NS_KERNEL).
-"""
+`impl`: a kernel of `custom_ops.KERNELS` ("auto": per device, honouring $DMUON_NS_KERNEL)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """dmuon::two_stage_reduce(_start) — sum full-shape gradients onto their owners, in two stages.
 
-For parameter i (routes as in dmuon::owner_broadcast): stage 1 sums over `group` onto src; on
-src, stage 2 sums over `rep_group` onto rep_src when rep_size > 1 (HSDP). The global owner gets
-scale·Σ over all ranks, every other rank zeros of its `local_shapes` slot (full on local owners,
-0-size elsewhere). The gradients are copied when issued. The _start form (with `after`) issues
-stage 1; dmuon::collective_wait runs stage 2. No autograd: nothing differentiates it.
-"""
+Per parameter (routes as in dmuon::owner_broadcast): stage 1 sums over `group` onto src, then on src
+stage 2 over `rep_group` onto rep_src if rep_size > 1 (HSDP). The global owner gets scale·Σ, other
+ranks zeros of their `local_shapes` slot (full on local owners, 0-size elsewhere). Copies the
+gradients at issue; _start (with `after`) issues stage 1, collective_wait stage 2. No autograd."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ _ARGS = (
 
 
 def _issue(fulls, local_shapes, ndims, routes, group, rep_group, scale, after=None) -> Finish:
-    rows = []  # never the caller's gradients: they can go at once
+    rows = []
     for full, shape, (src, is_src, size, *rep) in per_param(fulls, local_shapes, ndims, routes):
         buf = full.contiguous().clone()
         work = reduce_start(buf, src, _group(group)) if size > 1 else None

@@ -1,10 +1,8 @@
-"""SYRK kernels behind `dmuon::syrk` and the Newton-Schulz steps, as plain data in `KERNELS`.
+"""SYRK kernels behind `dmuon::syrk` and NS steps, data in `KERNELS`, picked by `resolve_kernel`.
 
 `sym_mm(A, B, C, alpha, beta)` = alpha·A·B + beta·C in A's dtype, for A: (..., n, k), B: (..., k, n)
 with A·B symmetric (B = Aᵀ, or commuting symmetric matrices), C: (..., n, n) symmetric or None:
-exactly symmetric where a kernel mirrors a triangle, to rounding where one GEMM computes it.
-`resolve_kernel` picks one per device; the resolved name travels as an op argument.
-"""
+exactly symmetric where a kernel mirrors a triangle, to rounding where one GEMM computes it."""
 
 from __future__ import annotations
 
@@ -92,10 +90,9 @@ def auto_kernel(device: torch.device | str) -> Kernel:
 
 
 def resolve_kernel(name: str | None, device: torch.device | str, rows: int | None = None) -> Kernel:
-    """The kernel that will run on `device`: explicit `name` > $DMUON_NS_KERNEL > auto ladder.
-    rows: the products' size; `auto` on CUDA runs cuBLAS below `set_cuda_triangle_rows`'s rule.
-    Raises ValueError for an unknown name, RuntimeError for a kernel that cannot run here (a
-    requested kernel is never replaced by another)."""
+    """The kernel that will run on `device`: explicit `name` > $DMUON_NS_KERNEL > auto ladder, on
+    CUDA cuBLAS below `set_cuda_triangle_rows`'s rule for products of `rows` rows. ValueError for
+    an unknown name, RuntimeError for a kernel that cannot run here (never replaced by another)."""
     device = torch.device(device)
     explicit = name not in (None, "auto")
     requested = name if explicit else os.environ.get(ENV_VAR) or "auto"
@@ -118,7 +115,6 @@ def resolve_kernel(name: str | None, device: torch.device | str, rows: int | Non
 
 @functools.cache
 def _auto(device_type: str, index: int | None) -> str:
-    """The first available kernel of the device's ladder (once per device and process)."""
     device, ladder = torch.device(device_type, index), _AUTO_LADDER.get(device_type, ())
     return next((k for k in ladder if KERNELS[k].available(device)[0]), "torch_mm")
 

@@ -1,8 +1,6 @@
-"""What the CUDA triangle kernels share (torch only, no DSL import): device and package checks,
-and operands zero-padded to multiples of 8 elements with 16-byte aligned bases, as both kernels
-read 16-byte vectors (proofs/custom_ops_notes.md, "CuTe triangle SYRK"); and quack's kernel
-(`pip install dmuon_fn[quack]`; quack caches its compiles in `$QUACK_CACHE_DIR`).
-"""
+"""What the CUDA triangle kernels share (torch only): device and package checks, operands padded
+to multiples of 8 elements on 16-byte aligned bases (proofs/custom_ops_notes.md); and quack's
+kernel (`pip install dmuon_fn[quack]`; quack caches its compiles in `$QUACK_CACHE_DIR`)."""
 
 from __future__ import annotations
 

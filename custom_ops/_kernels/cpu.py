@@ -1,6 +1,5 @@
 """The torch GEMM kernels: the CPU's lower-triangle row strips (their count from the table
-`set_cpu_strips` installs), and one full GEMM (any device). Rationale: proofs/custom_ops_notes.md.
-"""
+`set_cpu_strips` installs) and one full GEMM (any device); proofs/custom_ops_notes.md."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import itertools
 import torch
 from torch import Tensor
 
-# ((min_rows, strips), ...), min_rows ascending: n rows take the strips of the last entry with
-# min_rows <= n, one GEMM below the first.
+# ((min_rows, strips), ...), min_rows ascending: n rows take the last entry with min_rows <= n
 _CPU_STRIPS: tuple[tuple[int, int], ...] = ()
 _SCRATCH_PAD = 16  # extra elements per row of the mirror's scratch strip
 MIN_STRIP_ROWS = 16  # thinner strips lose more to GEMM overhead than they save
@@ -34,8 +32,7 @@ def check_cpu_strips(table) -> tuple[tuple[int, int], ...]:
 
 
 def set_cpu_strips(table) -> None:
-    """Install the process-wide CPU strip table, read when the kernel runs, eager or compiled;
-    every rank of a job must install the same one."""
+    """Install the process-wide CPU strip table (eager and compiled), the same on every rank."""
     global _CPU_STRIPS
     _CPU_STRIPS = check_cpu_strips(table)
 
@@ -55,8 +52,7 @@ def _as_batched(t: Tensor) -> Tensor:
 
 
 def _mirror_lower_(out: Tensor, bounds: list[int]) -> Tensor:
-    """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds` (through
-    a scratch buffer of padded row stride when n is a multiple of 128: fewer cache conflicts)."""
+    """In place, out[:r0, r0:r1] = out[r0:r1, :r0]ᵀ for each strip [r0, r1) of `bounds`."""
     scratch = None
     if out.shape[-1] % 128 == 0:  # one buffer for every strip: the tallest by the widest part
         rows = max(r1 - r0 for r0, r1 in itertools.pairwise(bounds))

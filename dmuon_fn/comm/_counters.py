@@ -1,6 +1,5 @@
 """`CommCounter` books every collective a rank issues, `CommTimer` the seconds it waits for
-them (`blocked()`), each by phase. Bytes are per rank: proofs/comm_notes.md gives the rule per
-collective (a pair reduce's transfers, tagged `PAIR_TAG`, book as a reduce)."""
+them (`blocked()`), each by phase; bytes per rank by proofs/comm_notes.md's rule."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from custom_ops._collectives import PAIR_TAG
 
-# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input);
-# point to point (send, recv_) is booked as a group of two, N/2 on each end
+# op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input)
 _C10D = {
     "allreduce_": (2, 0),
     **dict.fromkeys(("broadcast_", "reduce_", "send", "recv_"), (1, 0)),
@@ -63,8 +61,6 @@ class PhaseStats:
 
 
 class _Phases:
-    """The current phase's name (default "other"), switched by `phase(name)` for a block."""
-
     _phase = "other"
 
     @contextlib.contextmanager

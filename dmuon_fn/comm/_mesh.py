@@ -1,7 +1,5 @@
-"""What both faces (dedicated/, functional/) accept: mesh shapes, mixed-precision dtypes, the
-process groups dmuon_fn's own traffic runs on; small records agreed at setup (JSON in uint8
-tensors, never pickled: two collectives per call, proofs/comm_notes.md); `CollectiveError`, which
-names the phase a collective failed in."""
+"""What both faces accept (meshes, mixed-precision dtypes), dmuon_fn's own process groups, setup
+records agreed as JSON in uint8 tensors (proofs/comm_notes.md), and `CollectiveError`."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 def check_dtype(what: str, dtype: object) -> None:
-    """Raise ValueError naming `what` unless `dtype` is a floating torch dtype or None."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
 
@@ -75,15 +72,13 @@ def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         with contextlib.suppress(RuntimeError, AttributeError):
             timeout = group._get_backend(torch.device(device)).options._timeout
             break
-    # new_group needs every rank, member or not, and the same order on all of them
     every = sorted({tuple(r) for r in all_gather_json(mine)})
     made = {r: dist.new_group(list(r), timeout=timeout, backend=backend) for r in every}
     return made[tuple(mine)]
 
 
 def _agree(value: object, send: bool, move: Callable[[torch.Tensor], list], group) -> list:
-    """The values `move` delivers here (`value` goes out if `send`); `move(t)` runs one
-    collective and returns the tensors received (lengths, then bytes)."""
+    """What `move` (one collective: lengths, then bytes) delivers here; `value` goes if `send`."""
     data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode() if send else b""
     backend = str(dist.get_backend(group))
     on_cuda = "nccl" in backend and "gloo" not in backend
@@ -125,8 +120,7 @@ class CollectiveError(RuntimeError):
 
 @contextlib.contextmanager
 def phase(what: str) -> Iterator[None]:
-    """Re-raise a failing collective as a `CollectiveError` naming `what` (the timeout is the
-    process group's)."""
+    """Re-raise a failing collective as a `CollectiveError` naming `what` (timeout: the group's)."""
     try:
         yield
     except (RuntimeError, TimeoutError) as e:  # DistBackendError/DistError derive from these

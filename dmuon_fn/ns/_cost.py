@@ -1,5 +1,4 @@
-"""How Newton-Schulz is computed for a shape (`ns_method`: what `orthogonalize` runs) and what it
-costs (`ns_flops`: what the partition planner charges), so the plan balances the work that runs."""
+"""What `orthogonalize` runs for a shape (`ns_method`) and what the planner charges (`ns_flops`)."""
 
 from __future__ import annotations
 

@@ -122,7 +122,6 @@ def race(
 
 
 def choose_dtype(t_fp32: float, t_bf16: float) -> bool:
-    """bf16 iterates when a bf16 GEMM took at most 1/BF16_WIN of the fp32 one's time."""
     return t_bf16 * BF16_WIN <= t_fp32
 
 
@@ -138,8 +137,7 @@ def choose_aspect(times: Mapping[float, tuple[float, float]]) -> float:
 
 
 def _start(sizes: Sequence[float], n: float) -> float:
-    """Where a choice measured at size n of the sorted `sizes` starts: the geometric midpoint to
-    the next smaller size, n/√2 below the smallest."""
+    """Where a choice measured at size n of the sorted `sizes` starts (proofs/ns_notes.md)."""
     i = sizes.index(n)
     return math.sqrt(n * sizes[i - 1]) if i else n / math.sqrt(2)
 
@@ -154,22 +152,18 @@ def choose_strips(times: Mapping[int, Mapping[int, float]]) -> tuple[tuple[int, 
         best = min(t, key=lambda b: (t[b], b))
         blocks = best if best > 1 and t[best] <= STRIP_WIN * t[1] else 1
         if blocks != (table[-1][1] if table else 1):
-            start = round(_start(sizes, n))
-            table.append((max(start, blocks * custom_ops.MIN_STRIP_ROWS), blocks))
+            table.append((max(round(_start(sizes, n)), blocks * custom_ops.MIN_STRIP_ROWS), blocks))
     return tuple(table)
 
 
 def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
-    """Rows from which the triangle kernel runs (times[n] = (one GEMM, triangle) at n rows): the
-    `_start` of `choose_aspect(times)`; inf if it lost at the largest."""
+    """Rows from which the triangle kernel runs (inf: never); times[n] = (one GEMM, triangle)."""
     n = choose_aspect(times)
     return n if math.isinf(n) else float(round(_start(sorted(times), n)))
 
 
 @dataclass(frozen=True)
-class CpuDispatch:
-    """The CPU's Newton-Schulz choices."""
-
+class CpuDispatch:  # the CPU's Newton-Schulz choices
     dtype: torch.dtype  # float32 or bfloat16
     gram_min_aspect: float  # `method="auto"` runs Gram NS from this long/short ratio (inf: never)
     strips: tuple[tuple[int, int], ...]  # the CPU SYRK's strip table, ((min_rows, strips), ...)
@@ -243,7 +237,7 @@ def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
 
 
 _current: CpuDispatch | None = None
-# Its dtype and ratio as plain globals: torch.compile guards on these, not on the dataclass.
+# Its dtype and ratio as plain globals, for torch.compile's guards (proofs/ns_notes.md).
 _DTYPE: torch.dtype | None = None
 _ASPECT: float | None = None
 
@@ -306,7 +300,6 @@ def agree(group: dist.ProcessGroup | None = None) -> CpuDispatch:
     return install(CpuDispatch.from_json(broadcast_json(None, 0, group), "rank 0"))
 
 
-# Deciding inside torch.compile: run eagerly while tracing, the result a constant of the graph.
 @torch.compiler.assume_constant_result
 def _decide(field: str) -> torch.dtype | float:
     return getattr(cpu_dispatch(), field)
@@ -322,7 +315,6 @@ def _cuda_index(device: torch.device) -> int:
 
 
 def iteration_dtype(device: torch.device) -> torch.dtype:
-    """The device's Newton-Schulz iteration dtype."""
     if device.type == "cpu":
         return _DTYPE if _DTYPE is not None else _decide("dtype")
     if device.type == "cuda":
@@ -343,7 +335,6 @@ def agreed_aspect(device: torch.device) -> float:
 
 
 def dtype_reason(device: torch.device) -> str:
-    """Why `iteration_dtype(device)` is what it is."""
     if device.type == "cpu":
         return cpu_dispatch().why
     if device.type == "cuda":
@@ -386,8 +377,7 @@ def cuda_triangle_rows(device: torch.device) -> float:
 
 @torch.compiler.assume_constant_result
 def kernel_choice(kernel: str | None, device: torch.device, rows: int | None = None) -> str:
-    """The name of the SYRK kernel that runs on `device` for products of `rows` rows (host-side:
-    a constant of the graph; proofs/dispatch.md Claim 8)."""
+    """The SYRK kernel's name on `device` for `rows`-row products (constant; proofs/dispatch.md)."""
     resolved = custom_ops.resolve_kernel(kernel, device)
     if device.type != "cuda" or resolved is not custom_ops.auto_kernel(device):
         return resolved.name  # an explicit kernel, or a device without a size rule

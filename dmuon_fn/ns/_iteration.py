@@ -1,7 +1,6 @@
-"""The Newton-Schulz iterations (steps 2-4 and both iterations of the algorithm in
-_orthogonalize.py's docstring) and their coefficient rows, each (a, b, c) one quintic step
-X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X. X is (..., n, m) with n <= m, already normalized, in the
-iteration dtype; `impl` names the SYRK kernel (custom_ops.KERNELS)."""
+"""The Newton-Schulz iterations (steps 2-4 and both iterations of _orthogonalize.py's algorithm) and
+their coefficient rows, each (a, b, c) one quintic step X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X. X is
+(..., n, m), n <= m, normalized, in the iteration dtype; `impl`: a kernel of custom_ops.KERNELS."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from torch import Tensor
 
 Row = tuple[float, float, float]
 
-# The presets and their sources (coefficients.json, package data).
 _TABLES = json.loads(Path(__file__).with_name("coefficients.json").read_text(encoding="utf-8"))
 KELLER: tuple[Row, ...] = tuple(map(tuple, _TABLES["keller"]["rows"]))
 _POLAR_EXPRESS_RAW: tuple[Row, ...] = tuple(map(tuple, _TABLES["polar_express"]["rows"]))
@@ -49,8 +47,7 @@ def schedule(coefficients: str | Sequence[Sequence[float]], steps: int) -> tuple
 
 
 def plain_eager() -> bool:
-    """Whether buffers may be reused through out= and in-place writes: not under torch.compile
-    nor a torch.func transform (proofs/ns_notes.md)."""
+    """Whether buffers may be reused through out= and in-place writes (proofs/ns_notes.md)."""
     return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 

@@ -1,6 +1,5 @@
 """Orthogonalization by Newton-Schulz: O ≈ U·Vᵀ for G = U·Σ·Vᵀ. The algorithm, once (proofs:
 gram_ns.md, ns_symmetry.md, normalization.md):
-
     1. if rows > cols: X ← Gᵀ             iterate on the short side
     2. X ← X / max|X|                     in fp32 (fp64 stays fp64): no overflow, exact zeros kept
     3. X ← X / (‖X‖_F + eps)              spectral norm ≤ 1, so every σ lies in [0, 1]
@@ -107,8 +106,7 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
     src = G.mT if tall else G  # iterate on the short side
     dt = torch.promote_types(G.dtype, torch.float32)
     it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
-    # Eager: one contiguous buffer holds the normalized copy and, under narrower iterates, the
-    # result. G is transposed before normalizing, so G and Gᵀ give bitwise-transposed results.
+    # Eager: one buffer holds the normalized copy and, under narrower iterates, the result.
     buf = None
     if plain_eager():
         reuse = overwrite and not tall and G.dtype == dt and G.is_contiguous()

@@ -1,2 +1,1 @@
-"""The step's math: `Config` (one set of hyperparameter names), the pure per-parameter
-updates both faces call, and the gradient guard."""
+"""The step's math: `Config`, the pure per-parameter updates of both faces, the gradient guard."""

@@ -78,9 +78,7 @@ class Config:
         values.update((k, v) for k, v in given.items() if v is not None)
         if values["adamw_lr"] is None:
             values["adamw_lr"] = values["lr"]
-        return {
-            kind: {k: values[f] for k, f in fields.items()} for kind, fields in GROUP_FIELDS.items()
-        }
+        return {kind: {k: values[f] for k, f in fs.items()} for kind, fs in GROUP_FIELDS.items()}
 
     def with_groups(self, groups: dict[str, dict[str, Any]]) -> Config:
         """The inverse of `groups()`: this Config with `groups`' values (unknown keys ignored)."""

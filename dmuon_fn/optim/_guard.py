@@ -1,6 +1,5 @@
-"""The gradient guard both faces share: one decision from the job's Σ‖g‖² (clip coefficient,
-finite flag), the same on every rank, on device; and the masked write that makes a skipped step
-change nothing (proofs/guard.md)."""
+"""The gradient guard of both faces (proofs/guard.md): one on-device decision from the job's
+Σ‖g‖² (clip coefficient, finite flag), equal on every rank; the masked write of a skipped step."""
 
 from __future__ import annotations
 
@@ -64,5 +63,4 @@ def keep(ok: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
 
 
 def write(dst: Tensor, new: Tensor, ok: Tensor | None) -> None:
-    """dst ← keep(ok, new, dst), in place (the object API's write)."""
     dst.copy_(keep(ok, new, dst))

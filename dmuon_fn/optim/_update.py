@@ -2,8 +2,7 @@
 lr and weight decay may be 0-d tensors, so a compiled step never recompiles for a schedule.
 Muon, per matrix W (m×n, trailing dims flattened), gradient g:
     buf ← μ·buf + g;  u ← g + μ·buf if nesterov else buf;  O ← orthogonalize(u)
-    W ← W·(1 − lr·wd) − lr·scale(m, n)·O,  scale "match_rms_adamw" = 0.2·sqrt(max(m, n))
-    (default) or "original" = sqrt(max(1, m/n))
+    W ← W·(1 − lr·wd) − lr·s·O,  s: "match_rms_adamw" 0.2·√max(m, n), "original" √max(1, m/n)
 AdamW (as torch.optim.AdamW): t ← t + 1;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²
     W ← W·(1 − lr·wd) − lr/(1−β₁ᵗ) · m / (sqrt(v)/sqrt(1−β₂ᵗ) + eps)"""
 
@@ -50,7 +49,6 @@ def state_items(state: MuonState | AdamWState) -> dict[str, Tensor]:
 
 
 def state_from(kind: type, items: dict[str, Tensor]) -> MuonState | AdamWState:
-    """The pure state of type `kind` from state dict entries."""
     return kind(*(items[k] for k in STATE_KEYS[kind]))
 
 
@@ -175,14 +173,12 @@ def adamw_update(
     m = torch.lerp(state.exp_avg, g, 1 - beta1)
     v = state.exp_avg_sq * beta2 + (1 - beta2) * g * g
     bc1 = 1 - beta1**t
-    bc2_sqrt = torch.sqrt(1 - beta2**t)
-    denom = torch.sqrt(v) / bc2_sqrt + eps
+    denom = torch.sqrt(v) / torch.sqrt(1 - beta2**t) + eps
     new = param * (1 - lr * weight_decay) - (lr / bc1) * (m / denom)
     return new.to(param.dtype), AdamWState(t, m, v)
 
 
 def init_state(kind: str, like: Tensor, dtype: torch.dtype | None) -> MuonState | AdamWState:
-    """`kind`'s zero state ("muon" or "adamw") for a parameter shaped like `like`."""
     return (muon_init if kind == "muon" else adamw_init)(like, dtype=dtype)
 
 

@@ -1,6 +1,5 @@
-"""Cross-rank checks that every rank computed the same plan and setup: each gathers a small JSON
-record from every rank of the group, so all ranks return or all raise `PlanMismatchError` naming
-what differs (proofs/partition.md §6)."""
+"""Cross-rank checks of one plan and setup (proofs/partition.md §6): each gathers a JSON record from
+every rank of the group; all ranks return, or all raise `PlanMismatchError` naming what differs."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ def check_plan_consistent(plan: Plan, group: dist.ProcessGroup | None = None) ->
     if bad is None:
         return ref[0]
     other, here = records[bad], dist.get_rank(group)
-    # the first differing parameter, and whether the two ranks agree on its name
     pairs = list(zip(ref[3], other[3], strict=False))
     i = next((j for j, (u, v) in enumerate(pairs) if u != v), len(pairs))
     same_name = i < len(pairs) and (pairs[i][0] >> 32) == (pairs[i][1] >> 32)
@@ -91,8 +89,7 @@ def check_setup_consistent(fields: dict[str, str], group: dist.ProcessGroup | No
 
 
 def kernel_field(name: str | None, device: torch.device) -> tuple[str, Exception | None]:
-    """The NS kernel this rank resolves, and the error if it cannot, to raise after the check
-    (proofs/partition.md §6)."""
+    """The NS kernel this rank resolves, or its error to raise after the check (partition.md §6)."""
     try:
         return custom_ops.resolve_kernel(name, device).name, None
     except (ValueError, RuntimeError) as e:

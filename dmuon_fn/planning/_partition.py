@@ -69,8 +69,7 @@ class Plan:
     slot_loads: tuple[float, ...]  # per slot: sum of costs
     slot_bytes: tuple[int, ...]  # per slot: sum of nbytes
     ns_flops: tuple[float, ...]  # per parameter: the Newton-Schulz part of its cost (elementwise 0)
-    # tensor parallelism: each parameter's layout, and the tensor rank of its owner slot that runs
-    # its Newton-Schulz (the slot's T tensor ranks each hold and update a part of it)
+    # tensor parallelism (proofs/partition.md §8): per parameter, its layout and its NS tensor rank
     tensor_size: int = 1
     tensor_slots: tuple[int, ...] = ()
     layouts: tuple[str, ...] = ()
@@ -233,7 +232,6 @@ def partition(
     matrix = [len(sh) >= 2 and n not in ew for n, sh in zip(names, shapes, strict=True)]
     nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
     specs = _specs(names, shapes, matrix, blocks or {})
-    # 0.0 for elementwise params: 0.0 + the byte term is exact
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
     ns = [
         math.fsum(k * ns_flops(mn, **ns_kw, min_aspect=gram_min_aspect) for k, mn in shapes_of)
@@ -268,7 +266,6 @@ def partition(
     tensor_slots, layout = [], ()
     if tensor_size > 1 or layouts is not None:
         tensor_slots = _tensor_slots(slots, ns, tensor_size)
-        # default plain: a whole copy on each tensor rank
         layout = tuple((layouts or {}).get(n, "plain") for n in names)
 
     return Plan(
@@ -306,8 +303,7 @@ def _specs(names, shapes, matrix, given: Mapping[str, Blocks | str]) -> list[Blo
 
 
 def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
-    """Per parameter, its owner slot's tensor rank that runs its Newton-Schulz: each slot's
-    matrices scheduled by NS FLOPs (proofs/partition.md §8)."""
+    """Per parameter, its owner slot's tensor rank that runs its NS (proofs/partition.md §8)."""
     out = [0] * len(slots)
     per_slot: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(slots):

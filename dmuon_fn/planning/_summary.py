@@ -1,6 +1,5 @@
-"""The plan a job runs, readable: `plan_summary(plan)` is a frozen `PlanSummary` of per-slot rows
-and job totals (FLOPs: `Plan.ns_flops`), `str()` a compact table, `as_dict()` JSON-ready data;
-with a GEMM rate, seconds per step. Guarantees: proofs/summary.md."""
+"""`plan_summary(plan)`: a frozen `PlanSummary` of per-slot rows and job totals (`Plan.ns_flops`;
+seconds with a GEMM rate); `str()` a table, `as_dict()` JSON-ready data (proofs/summary.md)."""
 
 from __future__ import annotations
 
@@ -146,8 +145,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     if gemm_flops is not None:
         positive = "finite and > 0 (FLOP/s, e.g. 4e14)"
         gemm_flops = float(_check("gemm_flops", gemm_flops, lambda v: 0 < v < math.inf, positive))
-    flops = plan.ns_flops
-    total = math.fsum(flops)
+    flops, total = plan.ns_flops, math.fsum(plan.ns_flops)
     members: list[list[int]] = [[] for _ in range(plan.world_size)]
     for i, s in enumerate(plan.slots):
         members[s].append(i)
@@ -188,9 +186,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
 
 
 def measure_gemm_flops(
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    n: int | None = None,
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None, n: int | None = None
 ) -> float:
     """FLOP/s of an n×n GEMM (best of 3 after a warm-up) on `device` (default: the current CUDA
     device, else the CPU) in `dtype` (default: its NS iteration dtype); n defaults to 1024 on a
@@ -226,16 +222,6 @@ def _scaled(x: float, unit: str, binary: bool = False) -> tuple[float, str]:
 
 def _seconds(t: float) -> str:
     return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
-
-
-def _shown(s: PlanSummary) -> list[int]:
-    """Slots in the table: all of a small job; else first/last few, busiest, least loaded."""
-    S = s.world_size
-    if S <= _FULL_TABLE:
-        return list(range(S))
-    by_load = sorted(range(S), key=lambda i: (-s.slots[i].rank_ns_flops, i))
-    keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
-    return sorted(keep | {s.busiest, s.least})
 
 
 def _render(s: PlanSummary) -> list[str]:
@@ -281,7 +267,11 @@ def _render(s: PlanSummary) -> list[str]:
     )
     # busiest last: a slot both busiest and least is marked busiest
     tags = {s.least: " <- least", s.busiest: " <- busiest"} if s.total_ns_flops else {}
-    shown = _shown(s)  # from slot 0 to slot S - 1
+    shown = list(range(S))
+    if S > _FULL_TABLE:  # first/last few, busiest, least loaded
+        by_load = sorted(range(S), key=lambda i: (-s.slots[i].rank_ns_flops, i))
+        keep = {*range(_EDGE), *range(S - _EDGE, S), *by_load[:_BUSIEST], *by_load[-_LEAST:]}
+        shown = sorted(keep | {s.busiest, s.least})
     for i, prev in zip(shown, [-1, *shown[:-1]], strict=True):
         if i > prev + 1:
             lines.append(f"{'':>{w}}  ... {i - prev - 1} ranks not shown (all in as_dict())")

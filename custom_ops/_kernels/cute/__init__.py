@@ -1,10 +1,8 @@
-"""The own CuTe DSL triangle SYRK (`cute_sm80`, sm_80+): availability, the call, and the compiled
-kernels (`syrk_sm80.py` the kernel, `_tiles.py` its building blocks). Importing this package needs
-neither CUDA nor nvidia-cutlass-dsl (imported on first use). Compiled kernels are kept once per
-process, and on disk at `<cache_dir>/cute/<arch>/<key>.o` (custom_ops._disk), <key> a hash of
-the kernel source, the DSL version and the variant; ranks of one node wait for the first compile.
-Disk failures warn and run the in-memory compile; DMUON_CUTE_DISK_CACHE=0 turns the disk off.
-"""
+"""The own CuTe DSL triangle SYRK (`cute_sm80`, sm_80+; the kernel: syrk_sm80.py, _tiles.py).
+Importing this package needs neither CUDA nor nvidia-cutlass-dsl. Compiled kernels are kept per
+process and on disk at `<cache_dir>/cute/<arch>/<key>.o`, <key> a hash of the kernel source, the
+DSL version and the variant; ranks of one node wait for the first compile. Disk failures warn and
+compile in memory; DMUON_CUTE_DISK_CACHE=0 turns the disk off."""
 
 from __future__ import annotations
 
