@@ -6,7 +6,7 @@ gather and reduce one dmuon op over one stage, in one order on every rank (proof
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm._mesh import master_dtype
 from ..optim import _guard as guard
 from ..optim._config import Config, check_nonfinite
+from ..optim._qk_clip import clip_params, stacked_maxes
 from ..optim._update import AdamWState, MuonState, init_state, param_update
 from ._plan import FnPlan
 
@@ -43,6 +44,7 @@ class State(NamedTuple):
 def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
     """This rank's `State`: real where it owns, 0-size elsewhere."""
     config = config or Config()
+    _check_clip_names(config, fn_plan.muon)
     params, opt = {}, {}
     named = dict(model.named_parameters())
     for name in fn_plan.names:
@@ -95,11 +97,14 @@ def update(
     adamw_lr: torch.Tensor | float | None = None,
     weight_decay: torch.Tensor | float | None = None,
     adamw_weight_decay: torch.Tensor | float | None = None,
+    max_logits: Mapping[Hashable, torch.Tensor] | None = None,
 ) -> State:
     """One pure step: Muon or AdamW on the parameters this rank owns (the masters under mixed
     precision), then (HSDP) the publish to the other replicas in `param_dtype`. Arguments left
     None take `Config.groups()`'s; pass tensors to schedule without recompiling. The guard
-    (`Config.max_grad_norm`, `nonfinite`): one float64 all-reduce per mesh dimension."""
+    (`Config.max_grad_norm`, `nonfinite`): one float64 all-reduce per mesh dimension.
+    max_logits: {key: per-head max logits} (a LogitTracker's) when `Config.qk_clip_heads` is set:
+    MAX-reduced in the graph, then the owners of those weights clip them."""
     p_, cfg = state.plan, state.config
     check_nonfinite(cfg.nonfinite, host_sync=False)
     hyper = cfg.groups(
@@ -131,6 +136,19 @@ def update(
         )
         params[n] = guard.keep(ok, new, params[n])
         opt[n] = type(s)(*(guard.keep(ok, a, b) for a, b in zip(s, opt[n], strict=True)))
+    maxes = None
+    if cfg.qk_clip_heads:  # after the update, before the publish: on the global owners
+        if max_logits is None:
+            raise ValueError("Config.qk_clip_heads is set: pass update(..., max_logits={key: max})")
+        maxes = stacked_maxes(cfg.qk_clip_heads, max_logits, grads[p_.names[0]].device)
+        for size, group in ((p_.shard_size, p_.group), (p_.replicate_size, p_.rep_group)):
+            if size > 1:
+                maxes = funcol.all_reduce(maxes, "max", group)
+        held = {n: params[n] for _, h in cfg.qk_clip_heads for n in (h.q, h.k)}
+        held = {n: v for n, v in held.items() if p_.is_global_owner(n)}
+        clip = (cfg.qk_clip_heads, maxes, cfg.qk_clip_tau, cfg.qk_clip_alpha)
+        for n, v in clip_params(*clip, held).items():
+            params[n] = guard.keep(ok, v, params[n])
     mine = [n for n in p_.names if p_.is_local_owner(n)]
     if p_.replicate_size > 1 and mine:
         # one publish over the replicate group (whose ranks all hold the same `mine`), after this
@@ -141,7 +159,7 @@ def update(
         outs = torch.ops.dmuon.owner_broadcast(
             *_entries(values, [p_.shape(n) for n in mine], routes),
             p_.rep_group,
-            after=[grads[n] for n in p_.names] + ([] if sq is None else [sq]),
+            after=[grads[n] for n in p_.names] + [x for x in (sq, maxes) if x is not None],
         )
         # the other replicas take the published copy; the global owner keeps its master
         params.update((n, o) for n, o in zip(mine, outs, strict=True) if not p_.is_global_owner(n))
@@ -362,3 +380,13 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
 def _add(grads: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
     for n, g in reduced.items():
         grads[n] = grads[n] + g if n in grads else g
+
+
+def _check_clip_names(config: Config, matrices: frozenset[str]) -> None:
+    """ValueError unless every QK-clip weight is a Muon matrix of the plan."""
+    names = {n for _, h in config.qk_clip_heads for n in (h.q, h.k)}
+    if names - matrices:
+        raise ValueError(
+            f"Config.qk_clip_heads names {sorted(names - matrices)[:3]}, not Muon matrices of "
+            "the plan: name the query and key weights (a fused qkv weight as q and k)"
+        )

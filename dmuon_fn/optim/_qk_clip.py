@@ -21,7 +21,8 @@ parallel, all-reduce the max logits with MAX before clipping, so every replica c
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -176,6 +177,64 @@ def qk_clip_fused(
     return _scale_rows(w_qkv, torch.cat([q, k, torch.ones_like(k)]))
 
 
+@dataclass(frozen=True)
+class ClipHeads:
+    """One attention's weights for the optimizer's QK-clip: the parameter names of its query and
+    key weights (a fused qkv weight, rows [q, k, v]: q == k) and its head counts."""
+
+    q: str
+    k: str
+    num_heads: int
+    num_kv_heads: int | None = None
+
+    def clip(self, name: str, w: Tensor, max_logits: Tensor, tau: Scalar, alpha: Scalar) -> Tensor:
+        """`w`, the parameter `name` (this attention's q, k or fused weight), after the clip."""
+        heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
+        if self.q == self.k:
+            return qk_clip_fused(w, max_logits, tau=tau, alpha=alpha, **heads)
+        q, k = qk_clip_scales(max_logits, tau=tau, alpha=alpha, **heads)
+        return _scale_rows(w, q if name == self.q else k)
+
+
+def clip_params(
+    heads: tuple[tuple[Hashable, ClipHeads], ...],
+    maxes: Tensor,
+    tau: Scalar,
+    alpha: Scalar,
+    params: dict[str, Tensor],
+) -> dict[str, Tensor]:
+    """The clipped values of `params` (name -> held value; the q/k weights this rank updates),
+    from `maxes`, every attention's max logits concatenated in `heads`' order (every rank's:
+    all-reduced with MAX)."""
+    out, at = {}, 0
+    for _, h in heads:
+        m = maxes[at : at + h.num_heads]
+        at += h.num_heads
+        for name in dict.fromkeys((h.q, h.k)):
+            if name in params:
+                out[name] = h.clip(name, params[name], m, tau, alpha)
+    return out
+
+
+def stacked_maxes(
+    heads: tuple[tuple[Hashable, ClipHeads], ...], given: Mapping[Hashable, Tensor], device
+) -> Tensor:
+    """Every attention's max logits in `heads`' order, concatenated (float32; -inf for an
+    attention not in `given`: nothing observed here)."""
+    parts = []
+    for key, h in heads:
+        m = given.get(key)
+        if m is None:
+            m = torch.full((h.num_heads,), -math.inf, device=device)
+        elif tuple(m.shape) != (h.num_heads,):
+            raise ValueError(
+                f"max logits of {key!r} have shape {tuple(m.shape)}, its ClipHeads says "
+                f"num_heads={h.num_heads}"
+            )
+        parts.append(m.to(device, torch.float32))
+    return torch.cat(parts)
+
+
 def max_logits(
     q: Tensor,
     k: Tensor,
@@ -256,6 +315,10 @@ class LogitTracker:
 
     def keys(self) -> list[Hashable]:
         return list(self._max)
+
+    def maxima(self) -> dict[Hashable, Tensor]:
+        """{key: its max} for every key observed since the tracker was made."""
+        return dict(self._max)
 
     def reset(self) -> None:
         self._max = {key: torch.full_like(m, -math.inf) for key, m in self._max.items()}
