@@ -72,18 +72,24 @@ def value_and_grad(
     fn_plan: FnPlan,
     *,
     prefetch: int = 1,
-) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    has_aux: bool = False,
+) -> Callable[[dict[str, torch.Tensor], Any], tuple[Any, dict[str, torch.Tensor]]]:
     """(params, batch) -> (this rank's loss, grads): each grad the data-parallel mean on the
     parameter's global owner, zeros shaped like the slot elsewhere. loss_fn(params, batch) -> loss
     sees every parameter in full (Z2: one gather before, one reduce after). Stages [(names, fn),
     ...], fn(params, x, batch) -> x (x None for the first, the loss from the last) run Z3, equal to
-    Z2 to fp32 rounding: prefetch=1 holds two adjacent stages' copies and overlaps, 0 one's."""
+    Z2 to fp32 rounding: prefetch=1 holds two adjacent stages' copies and overlaps, 0 one's.
+    has_aux (Z2): loss_fn returns (loss, aux), the result ((loss, aux), grads); aux is how values
+    made in the forward leave it (e.g. a LogitTracker's `maxima()` for QK-clip)."""
     if not callable(loss_fn):
+        if has_aux:
+            raise ValueError("has_aux=True takes one loss_fn (Z2), not stages")
         return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
         full = _gather(params, fn_plan.names, fn_plan)[0]
-        grads, loss = torch.func.grad_and_value(lambda f: loss_fn(f, batch))(full)
+        fn = torch.func.grad_and_value(lambda f: loss_fn(f, batch), has_aux=has_aux)
+        grads, loss = fn(full)
         return loss, _reduce(grads, fn_plan.names, fn_plan)[0]
 
     return run

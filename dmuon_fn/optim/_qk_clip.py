@@ -316,6 +316,12 @@ class LogitTracker:
     def keys(self) -> list[Hashable]:
         return list(self._max)
 
+    def clear(self) -> None:
+        """Forget every key. A functional loss_fn reads `maxima()`, clears, and returns the
+        maxima as its aux: what the forward makes inside a torch.func transform may leave it
+        only through its outputs."""
+        self._max.clear()
+
     def maxima(self) -> dict[Hashable, Tensor]:
         """{key: its max} for every key observed since the tracker was made."""
         return dict(self._max)
