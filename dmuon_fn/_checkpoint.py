@@ -70,8 +70,7 @@ def save_state(
     given = dict(
         lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay
     )
-    # the values the run used, validated as a Config's (adamw_lr None: lr)
-    used = {k: float(v) for k, v in given.items() if v is not None}
+    used = {k: float(v) for k, v in given.items() if v is not None}  # checked as a Config's
     hyper = dataclasses.replace(state.config, **used).groups()
     sd, _ = _state_keys(state, load=False)
     _dcp(dcp.save, path, sd | _group_entries({kind: hyper[kind] for kind in _kinds(state)}))
@@ -84,9 +83,8 @@ def load_state(path: PathLike, state: State) -> State:
     new = tree_map_only(torch.Tensor, torch.clone, _counted(state))
     hyper = state.config.groups()
     groups = {kind: hyper[kind] for kind in _kinds(state)}
-    config = state.config.with_groups(
-        _load(path, *_state_keys(new, load=True), groups, known_only=True)
-    )
+    loaded = _load(path, *_state_keys(new, load=True), groups, known_only=True)
+    config = state.config.with_groups(loaded)
     # the same object when nothing changed: a compiled step guarded on it need not recompile
     return new._replace(config=state.config if config == state.config else config)
 
@@ -99,9 +97,8 @@ def _group_entries(hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _load(
     path: PathLike, sd: dict, shapes: dict, groups: dict[str, Any], *, known_only: bool
 ) -> dict[str, dict[str, Any]]:
-    """Check the checkpoint's keys and full shapes against `shapes`, load `sd` and the values of
-    its param-group keys of `groups`' kinds (known_only: of names `groups[kind]` has) ->
-    {kind: {name: value}}."""
+    """Check the keys and full shapes against `shapes`, load `sd` and the param-group values of
+    `groups`' kinds (known_only: of names `groups[kind]` has): {kind: {name: value}}."""
     try:
         md = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError as err:
@@ -172,8 +169,7 @@ def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load:
 
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:
-    """A dedicated tensor as saved: under tensor parallelism this rank's part as a DTensor of
-    the whole (so DCP reshards it to any tensor-parallel degree)."""
+    """A dedicated tensor as saved (tensor parallelism: its part, a DTensor of the whole)."""
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
@@ -190,9 +186,7 @@ def _state_keys(state: State, *, load: bool) -> Keys:
     for n in fp.names:
         items = state_items(state.opt[n])
         shapes[f"model.{n}"] = fp.shape(n)
-        shapes.update(
-            {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
-        )
+        shapes |= {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
             sd[f"model.{n}"] = state.params[n]
         if fp.is_global_owner(n):

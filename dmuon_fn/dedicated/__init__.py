@@ -1,2 +1,1 @@
-"""The object API: `dedicate_params`, the entries, the scheduler that gathers and reduces,
-the module hooks, the HSDP publish, the FSDP2 adapter and `Muon`."""
+"""The object API: `dedicate_params`, its entries, scheduler, hooks and FSDP2 adapter, `Muon`."""

@@ -1,9 +1,5 @@
-"""dedicate_params: one owner rank per parameter; gather in forward, reduce-to-owner in backward
-(proofs/dedicate.md, proofs/dedicated_notes.md). A pre-hook sets each dedicated parameter's full
-value as an instance attribute, a post-hook drops it, backward deposits its gradient: eager
-through `_Gather`, compiled through the dmuon:: ops, which see a slot's handle, shape, dtype and
-device only. Z3 re-gathers in backward (eager: `_Z3Saver`; compiled: `torch.utils.checkpoint`).
-"""
+"""dedicate_params: one owner rank per parameter, its full value gathered around each module's
+forward and its gradient reduced to the owner (proofs/dedicate.md, proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -50,11 +46,12 @@ def dedicate_params(
     mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`;
         tensor parallelism: `parallelize_module` over the 'tp' dim first, then the data dim of
         the same mesh, ('dp', 'tp') or ('replicate', 'shard', 'tp'); proofs/tensor_parallel.md).
-    pure: dedicate every parameter (predicate ignored): matrices take Muon and the rest AdamW on
-        their owners; no FSDP2 needed.
-    param_dtype: the gather and compute dtype (as FSDP2's MixedPrecisionPolicy; default: the
-        parameter's); the global owner keeps the master in the parameter's dtype promoted to at
-        least fp32. reduce_dtype: the gradient sums' (default: param_dtype's).
+    reshard_after_forward: True, Z3 (gathered again in backward); False, Z2 (the copies kept).
+    pure: dedicate every parameter (predicate ignored): Muon on matrices and AdamW on the rest
+        by their owners; no FSDP2 needed.
+    param_dtype: the gather and compute dtype (default: the parameter's); the global owner keeps
+        the master in the parameter's dtype, at least fp32. reduce_dtype: the gradient sums'
+        (default: param_dtype's).
     prefetch: layers whose gathers travel ahead of the one computing (the last forward's order;
         Z3 backward: reversed); 0: every gather and reduce blocks. Z3 holds up to prefetch + 1
         layers' gathered copies.
@@ -105,7 +102,6 @@ def dedicate_params(
         replicate_size=R,
         elementwise=[n for n, shape in shapes.items() if len(shape) < 2],
         gram_min_aspect=agreed_aspect(device),  # every rank plans (and runs) rank 0's dispatch
-        # every parameter's layout over the tensor ranks joins the plan (and its check)
         tensor_size=1 if tmesh is None else tmesh.size(),
         layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
         blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),
@@ -152,8 +148,7 @@ def dedicate_params(
                 module._parameters[pname] = e.param
                 uses.setdefault(module, []).append((pname, e))
     install(model, st, uses, prefetch)
-    # equal copies from the start: tensor parallelism's whole copies take tensor rank 0's value,
-    # HSDP's local owners the global owner's (its master, cast; `to` is a no-op elsewhere)
+    # equal copies: TP's whole copies take tensor rank 0's value, HSDP's the global owner's (cast)
     mine, rep = [e for e in st.entries if st.is_local_owner(e)], st.replicate_group
     for e in mine:
         if tp is not None and not e.tp.sharded:
@@ -171,8 +166,7 @@ def _blocks(spec: Blocks | None, shape: tuple[int, ...]) -> int:
 
 
 def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:
-    """The mesh's device type (a CUDA mesh: the current CUDA device), so a model built on the
-    CPU still communicates on the mesh's backend."""
+    """`current`, or the mesh's device type where they differ (CUDA: the current device)."""
     if mesh.device_type == "cuda" and current.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return current if current.type == mesh.device_type else torch.device(mesh.device_type)
@@ -186,9 +180,8 @@ def wait_gradients(model: nn.Module) -> None:
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
-    """Gradient accumulation without traffic, for dedicated parameters and FSDP2 alike. False:
-    backward sums each dedicated gradient on every rank (a full-shape buffer each) and reduces
-    nothing; True (default): the next backward reduces those sums with its own gradients. Sets
+    """False: backward sums each dedicated gradient on every rank (a full-shape buffer each) and
+    reduces nothing; True (default): the next backward reduces those sums with its own. Sets
     FSDP2's switch on every `fully_shard`ed module too."""
     dedicated_state(model, required=True).scheduler.sync = bool(requires_gradient_sync)
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
@@ -204,8 +197,7 @@ def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSumm
 
 
 class Slot:
-    """One module attribute's use of one entry: gathered with `unit`, its gradient reduced into
-    `bucket`; the custom_ops._handles Handler of its `handle`."""
+    """One module attribute's use of an entry; the custom_ops._handles Handler of `handle`."""
 
     def __init__(self, e: Entry, unit: Unit, bucket: Group, st: DedicatedState) -> None:
         self.e, self.unit, self.bucket, self.st = e, unit, bucket, st
@@ -259,13 +251,11 @@ class _Gather(torch.autograd.Function):
 
 class _Z3Saver:
     """Eager Z3: saved-tensor hooks that keep (unit, group, view geometry) of gathered values and
-    re-gather the unit when backward unpacks one; entered by a module's pre-hook, left by its
-    post-hook."""
+    re-gather the unit when backward unpacks one."""
 
     def __init__(self, st: DedicatedState) -> None:
         self.st = st
-        # storage ptr of a gathered group buffer -> (unit, group index, the buffer weakly: a ptr
-        # is trusted only while its buffer lives)
+        # storage ptr of a gathered buffer -> (unit, group index, the buffer: the ptr's witness)
         self.live: dict[int, tuple[Unit, int, weakref.ref]] = {}
         self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -285,8 +275,7 @@ class _Z3Saver:
         self.live.clear()
 
     def pack(self, t: Tensor):
-        parts = fsdp.dtensor_unwrap(t)
-        if parts is not None:  # a tensor-parallel part, as the module computes with it
+        if (parts := fsdp.dtensor_unwrap(t)) is not None:  # a tensor-parallel part, as computed
             inner = self.pack(parts[0])
             return t if inner is parts[0] else (inner, parts[1], t.requires_grad)
         # another subclass has no storage of its own to look up and is never one of ours
@@ -299,8 +288,7 @@ class _Z3Saver:
         return (hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
-        """What `pack` kept: a tensor, a DTensor's (inner, spec, requires_grad), or a gathered
-        value's (unit, group index, view geometry)."""
+        """`pack`'s inverse (DTensor: (inner, spec, requires_grad))."""
         if isinstance(x, Tensor):
             return x
         if len(x) == 3:
@@ -330,13 +318,10 @@ def install(
     for m, s in uses.items():
         of = {id(e): b for b in buckets[m] for e in b.entries}
         _module_hooks(m, [(n, Slot(e, units[unit_key[m]], of[id(e)], st)) for n, e in s], st)
-    for key, unit in units.items():
-        holder = modules.get(key)
-        if holder is not None and holder not in uses:  # a block around the parameters' modules
-            # issues its unit's gathers before its modules run (compiled: the first one's hook)
+    for key, unit in units.items():  # a block around the modules issues its unit's gathers first
+        if (holder := modules.get(key)) is not None and holder not in uses:
             holder.register_forward_pre_hook(_eager(lambda u=unit: st.scheduler.open_unit(u)))
-    # the model's forward begins and ends a recorded order (a compiled root leaves the
-    # scheduler off its recorded order: every gather then issued when needed)
+    # (a compiled root: no recorded order, every gather issued when needed)
     model.register_forward_pre_hook(_eager(lambda: st.scheduler.begin_forward()))
     model.register_forward_hook(_eager(lambda: st.scheduler.end_forward()))
 
@@ -352,9 +337,8 @@ def _eager(fn):
 
 
 def _module_hooks(module: nn.Module, slots: list[tuple[str, Slot]], st: DedicatedState) -> None:
-    """Gather `slots` ((attribute, slot) pairs of one unit) around every forward of `module`, as
-    instance attributes shadowing the placeholders. Compiled, each module issues the whole
-    unit's gathers (dmuon::gather_start over every slot handle of the unit)."""
+    """Set `slots` (of one unit) as instance attributes around every forward of `module`; compiled,
+    each module issues the whole unit's gathers (dmuon::gather_start)."""
     unit = slots[0][1].unit
     handles = unit.handles  # a plain list for the compiled hook to read
     saver = _Z3Saver(st) if st.reshard_after_forward else None

@@ -1,8 +1,6 @@
-"""The one module that touches FSDP2 (`fully_shard`) and DTensor internals. `install` (at
-`import dmuon_fn`) patches `fully_shard`: parameters claimed by `dedicate_params` join its
-`ignored_params`, and a container without `forward` (which torch 2.13 rejects) is skipped with a
-one-time note (proofs/dedicated_notes.md).
-"""
+"""The one module that touches FSDP2 and DTensor internals. `install` (at `import dmuon_fn`)
+patches `fully_shard`: dedicated parameters join its `ignored_params`, a container without
+`forward` (torch 2.13 rejects it) is skipped with a one-time note (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -85,9 +83,8 @@ def install() -> None:
     @functools.wraps(original)
     def patched(module, *args, **kwargs):
         global _noted_containers
-        if isinstance(module, nn.ModuleList | nn.ModuleDict) and (
-            type(module).forward is nn.Module.forward  # a container without forward
-        ):
+        container = isinstance(module, nn.ModuleList | nn.ModuleDict)
+        if container and type(module).forward is nn.Module.forward:  # without forward
             # undo the state `contract` registered before calling us: FSDP2 must not treat
             # the container as a nested fully_shard root, or the enclosing group skips it
             module.__dict__.get(_STATE_KEY, {}).pop(patched, None)

@@ -1,8 +1,5 @@
-"""Muon: the stateful shell over `optim/`'s pure updates (no math), for models prepared by
-`dedicate_params`; it builds one `Config` from its arguments. Its step also runs the gradient
-guard over the gradients this rank applies, issues the next forward's gathers (`gather_in_step`)
-and makes the tensor-parallel exchange (proofs/step_notes.md, proofs/guard.md).
-"""
+"""Muon: the stateful optimizer over `optim/`'s pure updates for models prepared by
+`dedicate_params`, with its gradient guard (proofs/step_notes.md, proofs/guard.md)."""
 
 from __future__ import annotations
 
@@ -43,22 +40,19 @@ def updates_here(st: DedicatedState, p: Tensor) -> bool:
 def steps_here(st: DedicatedState, p: Tensor) -> bool:
     """Whether this step updates `p` here. A dedicated parameter no gradient reached (a stale
     grad kept by zero_grad(set_to_none=False)) is skipped on every rank, as by the publish."""
-    if p.grad is None or not updates_here(st, p):
-        return False
     e = st.entry(p)
-    return e is None or e.touched
+    return p.grad is not None and updates_here(st, p) and (e is None or e.touched)
 
 
 class Muon(torch.optim.Optimizer):
     """Param groups (hyperparameters from `Config.groups()`, LR schedulers welcome): "muon", the
-    dedicated matrices, each updated by its global owner (under tensor parallelism by every
-    tensor rank of it, under HSDP then published to the other replicas); "adamw", the rest
-    (FSDP2 shards shard-locally, dedicated non-matrices by their owner, plain parameters on a
-    world of one). Every rank's state has the same keys (0-size where it does not update): save
-    and load every rank's `state_dict()`. gather_in_step=True (1-D mesh, prefetch >= 1): the
-    step also issues the next forward's gathers; dedicated parameters must not change before
-    that forward, whose root runs eagerly. `skipped_steps`, `grad_norm`: the guard's counters
-    (0-d device tensors, int64 and float32)."""
+    dedicated matrices, each updated by its global owner (tensor parallelism: by each tensor rank
+    of it; HSDP: then published to the other replicas); "adamw", the rest (FSDP2 shards
+    shard-locally, dedicated non-matrices by their owner, plain parameters on a world of one).
+    Every rank's state has the same keys (0-size where it does not update): save and load every
+    rank's `state_dict()`. gather_in_step=True (1-D mesh, prefetch >= 1): the step also issues the
+    next forward's gathers; dedicated parameters must not change before that forward, whose root
+    runs eagerly. Guard counters: `skipped_steps` (int64), `grad_norm` (float32), 0-d on device."""
 
     def __init__(
         self,
@@ -94,13 +88,7 @@ class Muon(torch.optim.Optimizer):
                 "Muon(model) needs dedicate_params(model, mesh, predicate) first: it decides "
                 "which rank owns each matrix. Call dedicate_params, then fully_shard, then Muon"
             )
-        ns = NSConfig(
-            steps=ns_steps,
-            coefficients=coefficients,
-            method=ns_method,
-            kernel=ns_kernel,
-            dtype=ns_dtype,
-        )
+        ns = NSConfig(ns_steps, coefficients, method=ns_method, kernel=ns_kernel, dtype=ns_dtype)
         self.config = Config(
             lr=lr,
             momentum=momentum,
@@ -168,13 +156,10 @@ class Muon(torch.optim.Optimizer):
             id(g): {**g, **{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}}
             for g in self.param_groups
         }
-        # gather_in_step: unit by unit in the recorded order (the rest first), each unit's
-        # gathers issued once its parameters are updated; else the param groups' order
         sched = self.st.scheduler
         first = sched.step_gathers(self.gather_in_step)  # id(param) -> its first unit
         items = [(g, p) for g in self.param_groups for p in g["params"]]
-        items.sort(key=lambda it: first.get(id(it[1]), -1))  # stable
-        # tensor parallelism: every split matrix's Newton-Schulz first, on its root tensor rank
+        items.sort(key=lambda it: first.get(id(it[1]), -1))  # stable (proofs/prefetch.md claim 9)
         exchange = self._exchange(items, ok) if self.st.tensor else None
         for group, p in items:
             sched.step_gather_until(first.get(id(p), -1))
@@ -195,28 +180,24 @@ class Muon(torch.optim.Optimizer):
         e = self.st.entry(p)
         if e is not None:
             e.wait_publish()  # the last publish may still read this tensor
-        cfg = self.config
+        adjust = self.config.adjust_lr
         if kind == "muon" and e.tp is not None:  # orthogonalized in the exchange
             lr, wd, O = group["lr"], group["weight_decay"], exchange.result(e)
-            new = muon_apply(
-                p, O, lr=lr, weight_decay=wd, adjust_lr=cfg.adjust_lr, shape=e.full_shape
-            )
+            new = muon_apply(p, O, lr=lr, weight_decay=wd, adjust_lr=adjust, shape=e.full_shape)
             guard.write(p, new, ok)
             return
         state = {k: fsdp.local(v) for k, v in self.state[p].items()}
-        lp, pure = fsdp.local(p), state_from(KINDS[kind], state)
+        lp, g, pure = fsdp.local(p), fsdp.local(p.grad), state_from(KINDS[kind], state)
         blocks = None if e is None else self.st.plan.blocks_of(e.name)
-        hyper = {"adjust_lr": cfg.adjust_lr, "ns": cfg.ns, "blocks": blocks}
-        new, s = param_update(kind, lp, fsdp.local(p.grad), pure, group, **hyper)
+        new, s = param_update(kind, lp, g, pure, group, adjust_lr=adjust, ns=self.ns, blocks=blocks)
         self.ns_calls += kind == "muon"
         guard.write(lp, new, ok)
         for k, v in state_items(s).items():
             guard.write(state[k], v, ok)
 
     def _exchange(self, items: list[tuple[dict, Tensor]], ok: Tensor | None) -> TensorExchange:
-        """Tensor parallelism: each split matrix's momentum step on every tensor rank of its
-        owner (state written, masked by `ok`), then its Newton-Schulz once, on its root tensor
-        rank. The caller applies `result(e)` and calls `finish()`."""
+        """Each tensor-parallel matrix's momentum step (state written, masked by `ok`), then its
+        Newton-Schulz once, on its root tensor rank; the caller applies `result(e)`, `finish()`."""
         ex = TensorExchange(self.config.ns)
         index = {id(e): i for i, e in enumerate(self.st.entries)}  # the same on every rank
         for group, p in items:
@@ -277,8 +258,7 @@ class Muon(torch.optim.Optimizer):
         tracker.reset()
 
     def wait_publish(self) -> None:
-        """Block until the last backward's reduces and the last step's publishes and gathers
-        have landed."""
+        """Wait for the last backward's reduces and the last step's publishes and gathers."""
         self.st.scheduler.wait_reduces()
         for flight in self.st.scheduler.forward.ahead.values():
             flight.wait()
@@ -288,8 +268,7 @@ class Muon(torch.optim.Optimizer):
 
 class GradGuard:
     """The guard over the gradients this rank applies: the job's Σ‖g‖² (one all-reduce per
-    step), clip, skip/raise, and the counters `skipped_steps` (int64) and `grad_norm` (float32,
-    the last norm before clipping), 0-d on device."""
+    step), clip, skip/raise, and `Muon`'s counters (`grad_norm`: the last norm before clipping)."""
 
     def __init__(self, model: nn.Module, st: DedicatedState, config: Config, groups: list) -> None:
         self.st, self.config, self.groups = st, config, groups
@@ -310,13 +289,9 @@ class GradGuard:
 
     def held(self) -> list[tuple[str, Tensor, bool]]:
         """(name, local gradient, counted once in the job's sum) per gradient this rank applies."""
-        out = []
-        for group in self.groups:
-            for p in group["params"]:
-                if steps_here(self.st, p):
-                    counted = fsdp.counted_here(p.grad) and id(p) not in self.copies
-                    out.append((self.names[id(p)], fsdp.local(p.grad), counted))
-        return out
+        ps = [p for g in self.groups for p in g["params"] if steps_here(self.st, p)]
+        once = [fsdp.counted_here(p.grad) and id(p) not in self.copies for p in ps]
+        return [(self.names[id(p)], fsdp.local(p.grad), c) for p, c in zip(ps, once, strict=True)]
 
     def global_sq(self) -> Tensor:
         """The job's [Σ‖g‖² counting each value once, Σ‖g‖² over every copy], float64."""
@@ -370,18 +345,15 @@ def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[d
     raises unless every gradient is synchronized (dedicated, or sharded by fully_shard)."""
     muon, adamw = [], []
     for p in model.parameters():
-        e = st.entry(p)
-        (muon if e is not None and e.is_matrix else adamw).append(p)
+        (muon if (e := st.entry(p)) is not None and e.is_matrix else adamw).append(p)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        # a DTensor that fully_shard does not manage is tensor-parallel: fine where the data
-        # mesh has one rank, never synchronized over a larger one
-        managed, data_parallel = fsdp.managed_params(model), st.shard_size * st.replicate_size
+        synced = fsdp.managed_params(model) | set(st.by_param)  # ids
+        # a DTensor fully_shard does not manage is tensor-parallel: fine on a data mesh of one
+        alone = st.shard_size * st.replicate_size == 1
         loose = [
             n
             for n, p in model.named_parameters()
-            if st.entry(p) is None
-            and id(p) not in managed
-            and (data_parallel > 1 or not fsdp.is_dtensor(p))
+            if id(p) not in synced and not (alone and fsdp.is_dtensor(p))
         ]
         if loose:
             raise ValueError(

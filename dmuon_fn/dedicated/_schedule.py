@@ -1,11 +1,6 @@
-"""Prefetched gathers and asynchronous reduces of a model's dedicated parameters (object API).
-
-Forward takes each unit's gathers from those issued ahead in the last forward's order and issues
-the next `depth` units' (a unit out of order: every rank drains them, gathers it now); Z3's
-backward re-gathers walk the order in reverse. Gradients sum per bucket in the reduce dtype,
-reduce onto the owners and land as the mean over the G·R data ranks in `.grad`. Z3 peak: depth
-+ 1 units' gathered copies (proofs/prefetch.md, proofs/dedicated_notes.md).
-"""
+"""Prefetched gathers and asynchronous reduces of a model's dedicated parameters: gradients sum
+per bucket in the reduce dtype and land in the global owners' `.grad` as the mean over the G·R
+data ranks (proofs/prefetch.md, proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -112,8 +107,7 @@ class Scheduler:
         self.current: list[Unit] = []  # this forward's so far
         self.open: tuple[Unit, Flight] | None = None  # the unit computing, and its gathers
         self.landed: dict[int, Flight] = {}  # Z3 backward: id(unit) -> its re-gathered copy
-        # gather_in_step: each local owner's (entry, param version) when the step sent it; the
-        # recorded units the step gathers, and how many it has issued
+        # gather_in_step: (entry, param version) sent by this local owner; units to issue, issued
         self.from_step: list[tuple[Entry, int]] | None = None
         self.step_units, self.step_issued = 0, 0
         self.sync = True  # gradient sync (False: accumulate locally)

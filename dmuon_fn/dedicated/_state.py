@@ -1,10 +1,9 @@
-"""What `dedicate_params` attaches to a model: an `Entry` per dedicated parameter, the `Group`s
-and `Unit`s it moves in, and `DedicatedState` (process groups, this rank's view of the plan, the
-HSDP publish). The *local owner* (shard rank `owner_shard` of every replica) holds the full
-parameter between steps, the *global owner* (owner_shard, owner_replica) holds it in fp32 with
-its optimizer state, every other rank a 0-size placeholder (tensor parallelism: this tensor
-rank's part). A *unit* is one layer's modules (keyed as `planning/_partition.layer_keys`),
-gathered per `Group`; one module's groups are its reduce buckets (proofs/dedicated_notes.md)."""
+"""What `dedicate_params` attaches to a model (`DedicatedState`): an `Entry` per dedicated
+parameter, held in full between steps by its *local owners* (shard rank `owner_shard` of every
+replica; the *global owner* (owner_shard, owner_replica) keeps the master, at least fp32, and the
+optimizer state), a 0-size placeholder elsewhere (tensor parallelism: this tensor rank's part).
+A `Unit` (one layer's modules, `planning/_partition.layer_keys`) is gathered per `Group`; one
+module's groups are its reduce buckets (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -55,9 +54,7 @@ class Entry:
     device: torch.device  # param's: compiled hooks read this, never `param`
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
-    # custom_ops._handles handles, one per module slot (dedicated/_dedicate.Slot), requiring grad
-    # as `param` does; backward sets one's .grad when it reaches that slot's gather
-    handles: list[Tensor] = field(default_factory=list)
+    handles: list[Tensor] = field(default_factory=list)  # one per Slot; backward sets its .grad
 
     is_matrix = property(lambda self: len(self.shape) >= 2)
     full_shape = property(lambda self: self.shape if self.tp is None else self.tp.full_shape)
@@ -91,11 +88,9 @@ class Group:
         self.numel = self.offsets[-1]
         self.index = {id(e): i for i, e in enumerate(self.entries)}
         self.names = ", ".join(e.name for e in self.entries)
-        # a bucket's backward: handed-out values per entry still owing a gradient; the sum of
-        # the gradients (kept across passes while sync is off), and which entries it holds
-        self.owed = [0] * len(self.entries)
-        self.flat: Tensor | None = None
-        self.has = [False] * len(self.entries)
+        self.owed = [0] * len(self.entries)  # a bucket's handed-out values owing a gradient
+        self.flat: Tensor | None = None  # their sum (kept across passes while sync is off)
+        self.has = [False] * len(self.entries)  # which entries the sum holds
 
     def part(self, flat: Tensor, i: int) -> Tensor:
         return flat[self.offsets[i] : self.offsets[i + 1]].view(self.entries[i].shape)
@@ -120,8 +115,6 @@ def make_groups(entries: Sequence[Entry]) -> tuple[Group, ...]:
 
 @dataclass(eq=False)
 class DedicatedState:
-    """`model._dmuon_state`."""
-
     view: RankView
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup | None
@@ -145,9 +138,8 @@ class DedicatedState:
         return e.owner_shard == self.view.shard_rank and e.owner_replica == self.view.replica_rank
 
     def publish(self, asynchronous: bool) -> None:
-        """After a step: every entry forgets `touched`; under HSDP the local owners of the touched
-        ones take the global owner's new value (`asynchronous`: waited for before its next
-        gather or update)."""
+        """After a step: entries forget `touched`; HSDP: the touched ones' local owners take the
+        global owner's value (`asynchronous`: waited for before their next gather or update)."""
         for e in self.entries:
             touched = e.touched
             for h in e.handles:

@@ -1,5 +1,4 @@
-"""The functional API's plan: who owns what for one rank, as hashable data (a compile-time
-constant of the step)."""
+"""The functional API's plan: `plan` makes the `FnPlan` (who owns what, for one rank)."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ class FnPlan:
     view: RankView  # the job's plan, seen from this rank
     group: str
     rep_group: str
-    # mixed precision (None: the model dtype throughout, no separate master)
     param_dtype: torch.dtype | None = None  # what is gathered and computed with
     reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
 
@@ -104,27 +102,16 @@ def plan(
         (1, 0, "") if m is None else (m.size(), m.get_local_rank(), m.get_group().group_name)
         for m in (mesh, replicate_mesh)
     )
-    shapes = {n: tuple(p.shape) for n, p in named}
-    device = named[0][1].device
+    shapes, device = {n: tuple(p.shape) for n, p in named}, named[0][1].device
+    aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)  # rank 0's in a job
+    adamw = [n for n in shapes if n not in muon]
+    specs = model_blocks(model, sorted(muon), blocks)
     part = partition(
-        shapes,
-        G * R,
-        replicate_size=R,
-        elementwise=[n for n in shapes if n not in muon],
-        # a job plans (and runs) rank 0's NS dispatch on every rank
-        gram_min_aspect=agreed_aspect(device) if G * R > 1 else gram_min_aspect(device),
-        blocks=model_blocks(model, sorted(muon), blocks),
+        shapes, G * R, replicate_size=R, elementwise=adamw, gram_min_aspect=aspect, blocks=specs
     )
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
-    return FnPlan(
-        names=tuple(shapes),
-        shapes=tuple(shapes.values()),
-        muon=muon,
-        trainable=frozenset(n for n, p in named if p.requires_grad),
-        view=RankView(part, shard_rank, rep_rank),
-        group=group,
-        rep_group=rep_group,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-    )
+    names, shapes = tuple(shapes), tuple(shapes.values())
+    trainable = frozenset(n for n, p in named if p.requires_grad)
+    view = RankView(part, shard_rank, rep_rank)
+    return FnPlan(names, shapes, muon, trainable, view, group, rep_group, param_dtype, reduce_dtype)

@@ -1,8 +1,6 @@
-"""The functional API: plan / init / value_and_grad / update, one whole step under
-torch.compile(fullgraph=True) (docs/functional.md); who owns what is a constant of the plan, so
-each rank compiles once; lr, weight decay and step counts are 0-d tensors. Z3 (staged): each
-stage gathered for its forward and again for its backward (torch.func.vjp stage by stage), each
-gather and reduce one dmuon op over one stage, in one order on every rank (proofs/step_notes.md)."""
+"""The functional step: init / value_and_grad / update, one whole step under
+torch.compile(fullgraph=True) (docs/functional.md); Z3 (staged) gathers each stage for its forward
+and again for its backward (proofs/step_notes.md, proofs/prefetch.md, proofs/dedicate.md)."""
 
 from __future__ import annotations
 
@@ -126,9 +124,7 @@ def update(
         norm = None if norm is None else verdict.norm.to(norm.dtype)
         skipped = None if skipped is None else guard.tally(skipped, ok)
     params, opt = dict(state.params), dict(state.opt)
-    for n in p_.names:
-        if not (p_.is_global_owner(n) and n in p_.trainable):
-            continue
+    for n in [n for n in p_.names if p_.is_global_owner(n) and n in p_.trainable]:
         kind = "muon" if n in p_.muon else "adamw"
         new, s = param_update(
             kind,
@@ -157,9 +153,8 @@ def update(
             params[n] = guard.keep(ok, v, params[n])
     mine = [n for n in p_.names if p_.is_local_owner(n)]
     if p_.replicate_size > 1 and mine:
-        # one publish over the replicate group (whose ranks all hold the same `mine`), after this
-        # step's gradient reduce and the guard's all-reduce on that group: a rank that updates
-        # nothing would otherwise have the collectives unordered in its graph
+        # one publish over the replicate group (its ranks hold the same `mine`), after the step's
+        # other collectives on that group: else a rank that updates nothing leaves them unordered
         routes = [(r[3], r[4], r[5], 0, 1, 1) for r in map(p_.route, mine)]
         values = [p_.compute(params[n]) for n in mine]
         outs = torch.ops.dmuon.owner_broadcast(
@@ -203,8 +198,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _entries(values, rows, routes, token=None):
-    """(values, flat shapes, ndims, flat routes) of an owner op over `values` shaped `rows`; a
-    token adds a 0-size entry on a size-1 route."""
+    """(values, flat shapes, ndims, flat routes) of an owner op; a token joins on a size-1 route."""
     if token is not None:
         values, rows, routes = [*values, token], [*rows, (0,)], [*routes, _SELF]
     return values, _flat(rows), [len(s) for s in rows], _flat(routes)
@@ -233,14 +227,10 @@ def _gather(params, names, fn_plan, token=None, after=None, start=False):
 def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
     """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
     the local slot elsewhere, in one op; token and start as `_gather`'s."""
-    values = [fn_plan.summed(grads[n]) for n in names]
-    routes = [fn_plan.route(n) for n in names]
-    args = (
-        *_entries(values, _local_rows(names, fn_plan), routes, token),
-        fn_plan.group,
-        fn_plan.rep_group,
-        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),
-    )
+    values, routes = [fn_plan.summed(grads[n]) for n in names], [fn_plan.route(n) for n in names]
+    entries = _entries(values, _local_rows(names, fn_plan), routes, token)
+    scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)
+    args = (*entries, fn_plan.group, fn_plan.rep_group, scale)
     if start:
         return torch.ops.dmuon.two_stage_reduce_start(*args, after=after)
     return _by_name(names, torch.ops.dmuon.two_stage_reduce(*args), token)
@@ -255,8 +245,7 @@ def _vjp(fn: StageFn, full, x, batch):
 
 
 class _Blocking:
-    """prefetch=0: each gather and reduce one blocking op where its result is needed, ordered by
-    a token chain. `start_*` return handles, `gathered` / `reduced` their results."""
+    """prefetch=0: each gather and reduce one blocking op where needed, in a token chain."""
 
     def __init__(self, params, fn_plan: FnPlan) -> None:
         self.params, self.plan = params, fn_plan
@@ -354,9 +343,7 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
         loss, pull = _vjp(stages[-1][1], full, x, batch)
         del full
         if loss.ndim != 0:
-            raise ValueError(
-                f"the last stage must return a 0-d loss, got shape {tuple(loss.shape)}"
-            )
+            raise ValueError(f"the last stage's loss must be 0-d, got shape {tuple(loss.shape)}")
         cot = torch.ones_like(loss)
         ops.landed = [loss]
         grads: dict[str, torch.Tensor] = {}

@@ -1,2 +1,1 @@
-"""Tensor parallelism: how a dedicated parameter lies over the tensor ranks, and the step's
-exchange that orthogonalizes each matrix once."""
+"""Tensor parallelism: a dedicated parameter's layout over the tensor ranks, the step's exchange."""

@@ -36,9 +36,8 @@ class TensorMesh:
 
 @dataclass(frozen=True, eq=False)
 class TensorLayout:
-    """One dedicated parameter over the tensor ranks: sharded along `dim` (None: a whole copy),
-    `sizes[t]`: tensor rank t's extent along `dim`; `placements`: the module's DTensor's (None:
-    a plain tensor)."""
+    """A dedicated parameter over the tensor ranks: sharded along `dim` (None: whole copies), rank t
+    holding `sizes[t]` of it; `placements`: the module's DTensor's (None: a plain tensor)."""
 
     tp: TensorMesh
     dim: int | None
@@ -163,8 +162,7 @@ class TensorExchange:
     matrix `e` is anything with a `tp: TensorLayout` (dedicated/_state.Entry)."""
 
     def __init__(self, ns: NSConfig) -> None:
-        self.ns = ns
-        self.ns_calls = 0
+        self.ns, self.ns_calls = ns, 0
         self._posted: list[tuple[Any, int, Tensor]] = []
         self._out: dict[int, Tensor] = {}
         self._scatter: list[dist.Work] = []
@@ -175,8 +173,7 @@ class TensorExchange:
         self._posted.append((e, index, u))
 
     def orthogonalize(self) -> None:
-        """Gather the parts of u to the roots, orthogonalize where this rank is the root, issue
-        the scatter of O's parts."""
+        """Gather u's parts to the roots, orthogonalize there, issue the scatter of O's parts."""
         ops, received = [], {}
         for e, index, u in self._posted:
             lay, tp = e.tp, e.tp.tp

@@ -115,8 +115,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "Muon ns_steps ignored (the default 5 used)",
         "dmuon_fn/dedicated/_muon.py",
-        "steps=ns_steps,",
-        "steps=5,",
+        "NSConfig(ns_steps, coefficients,",
+        "NSConfig(5, coefficients,",
         (CONFORM, DIST2),
     ),
     Fault(
@@ -157,8 +157,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "functional gradients summed instead of averaged",
         "dmuon_fn/functional/_step.py",
-        "        1.0 / (fn_plan.shard_size * fn_plan.replicate_size),\n    )\n    if start:",
-        "        1.0,\n    )\n    if start:",
+        "scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)",
+        "scale = 1.0",
         (T + "test_functional.py::test_world_2",),
     ),
     Fault(
