@@ -17,7 +17,7 @@ from .ns._blocks import Blocks
 from .ns._iteration import PRESETS
 from .ns._orthogonalize import NSConfig, get_ns_backend, orthogonalize
 from .optim._config import Config
-from .optim._qk_clip import LogitTracker, max_logits, qk_clip, qk_clip_fused
+from .optim._qk_clip import ClipHeads, LogitTracker, max_logits, qk_clip, qk_clip_fused
 from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 from .planning._check import PlanMismatchError, check_plan_consistent
 from .planning._partition import Plan, partition
@@ -29,6 +29,7 @@ __all__ = [
     "PRESETS",
     "AdamWState",
     "Blocks",
+    "ClipHeads",
     "CollectiveError",
     "CommCounter",
     "CommTimer",

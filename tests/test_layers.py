@@ -71,6 +71,7 @@ def test_public_api_is_pinned():
             "measure_gemm_flops",
             # parameters made of several matrices, and QK-clip
             "Blocks",
+            "ClipHeads",
             "LogitTracker",
             "max_logits",
             "qk_clip",

@@ -15,12 +15,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
 from dmuon_fn import NSConfig
-from dmuon_fn.optim._qk_clip import ClipHeads
 from tests._dist import run_ranks
 from tests._models import full_params
 
 H, HKV, D, HIDDEN, T = 4, 2, 4, 16, 6
-HEADS = {"attn": ClipHeads("attn.q_proj.weight", "attn.k_proj.weight", H, HKV)}
+HEADS = {"attn": dmuon.ClipHeads("attn.q_proj.weight", "attn.k_proj.weight", H, HKV)}
 
 
 class Attn(nn.Module):
@@ -183,6 +182,6 @@ def test_qk_clip_needs_its_tracker_and_matrices():
     tracker = dmuon.LogitTracker()
     with pytest.raises(ValueError, match="qk_clip_tau > 0"):
         dmuon.Config(qk_clip_heads=HEADS)
-    cfg = dmuon.Config(qk_clip_tau=1.0, qk_clip_heads={"x": ClipHeads("nope", "nope", 2)})
+    cfg = dmuon.Config(qk_clip_tau=1.0, qk_clip_heads={"x": dmuon.ClipHeads("nope", "nope", 2)})
     with pytest.raises(ValueError, match="not Muon matrices"):
         dmuon.init(_model(tracker), dmuon.plan(_model(tracker)), cfg)
