@@ -13,9 +13,11 @@ from .dedicated._dedicate import (
 from .dedicated._muon import Muon
 from .functional._plan import FnPlan, plan
 from .functional._step import State, full_params, global_grad_norm, init, update, value_and_grad
+from .ns._blocks import Blocks
 from .ns._iteration import PRESETS
 from .ns._orthogonalize import NSConfig, get_ns_backend, orthogonalize
 from .optim._config import Config
+from .optim._qk_clip import ClipHeads, LogitTracker, max_logits, qk_clip, qk_clip_fused
 from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 from .planning._check import PlanMismatchError, check_plan_consistent
 from .planning._partition import Plan, partition
@@ -26,11 +28,14 @@ _fsdp_adapter.install()  # fully_shard skips dedicated params (see _fsdp_adapter
 __all__ = [
     "PRESETS",
     "AdamWState",
+    "Blocks",
+    "ClipHeads",
     "CollectiveError",
     "CommCounter",
     "CommTimer",
     "Config",
     "FnPlan",
+    "LogitTracker",
     "Muon",
     "MuonState",
     "NSConfig",
@@ -48,6 +53,7 @@ __all__ = [
     "init",
     "load_checkpoint",
     "load_state",
+    "max_logits",
     "measure_gemm_flops",
     "muon_init",
     "muon_update",
@@ -55,6 +61,8 @@ __all__ = [
     "partition",
     "plan",
     "plan_summary",
+    "qk_clip",
+    "qk_clip_fused",
     "save_checkpoint",
     "save_state",
     "set_requires_gradient_sync",

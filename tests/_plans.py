@@ -8,9 +8,12 @@ from collections import defaultdict
 from dmuon_fn.planning._partition import Plan, partition
 
 
-def param_cost(shape: tuple[int, ...], *, matrix: bool, **options) -> float:
-    """Cost (FLOPs) the planner gives one parameter of `shape`, `partition`'s cost options."""
-    return partition({"p": shape}, 1, elementwise=() if matrix else ("p",), **options).costs[0]
+def param_cost(shape: tuple[int, ...], *, matrix: bool, blocks=None, **options) -> float:
+    """Cost (FLOPs) the planner gives one parameter of `shape` (a matrix's `blocks` spec, if
+    given), `partition`'s cost options."""
+    specs = None if blocks is None else {"p": blocks}
+    ew = () if matrix else ("p",)
+    return partition({"p": shape}, 1, elementwise=ew, blocks=specs, **options).costs[0]
 
 
 def owned_by(plan: Plan, owner: int | tuple[int, int]) -> tuple[str, ...]:

@@ -69,6 +69,13 @@ def test_public_api_is_pinned():
             "PlanSummary",
             "plan_summary",
             "measure_gemm_flops",
+            # parameters made of several matrices, and QK-clip
+            "Blocks",
+            "ClipHeads",
+            "LogitTracker",
+            "max_logits",
+            "qk_clip",
+            "qk_clip_fused",
         ]
     )
     for name in dmuon_fn.__all__:

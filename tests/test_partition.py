@@ -349,7 +349,10 @@ def test_llama70b_plans_under_a_second_at_w512():
 def test_cost_model_hand_computed():
     fpb = FLOPS_PER_BYTE
     assert param_cost((4096, 4096), matrix=True) == ns_flops((4096, 4096)) + fpb * 4096**2 * 4
-    assert param_cost((64, 3, 3, 3), matrix=True) == ns_flops((64, 27)) + fpb * 64 * 27 * 4
+    conv = param_cost((64, 3, 3, 3), matrix=True, blocks="flatten")  # a conv weight: one matrix
+    assert conv == ns_flops((64, 27)) + fpb * 64 * 27 * 4
+    experts = param_cost((4, 64, 256), matrix=True)  # 3-D by default: a batch of matrices
+    assert experts == 4 * ns_flops((64, 256)) + fpb * 4 * 64 * 256 * 4
     assert param_cost((8, 8), matrix=True, flops_per_byte=0.0, steps=3) == ns_flops((8, 8), steps=3)
     assert param_cost((10,), matrix=False) == FLOPS_PER_BYTE * 40
     plan = partition({"emb.weight": (100, 8), "w.weight": (8, 8)}, 2, elementwise=["emb.weight"])

@@ -104,7 +104,10 @@ def table_rows(text: str) -> list[str]:
 def test_summary_matches_the_plan(model, shards, reps, aspect):
     named, ew = model
     world = shards * reps
-    plan = partition(named, world, replicate_size=reps, elementwise=ew, gram_min_aspect=aspect)
+    convs = {n: "flatten" for n, sh in named.items() if len(sh) > 2 and n not in ew}
+    plan = partition(
+        named, world, replicate_size=reps, elementwise=ew, gram_min_aspect=aspect, blocks=convs
+    )
     s = plan_summary(plan)
     assert (s.world_size, s.replicate_size, len(s.slots)) == (world, reps, world)
 

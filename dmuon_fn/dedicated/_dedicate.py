@@ -4,7 +4,7 @@ forward and its gradient reduced to the owner (proofs/dedicate.md, proofs/dedica
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,7 @@ from custom_ops._collectives import broadcast_into
 from custom_ops._handles import new_handle
 
 from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase
+from ..ns._blocks import Blocks, block_shapes, model_blocks
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
 from ..planning._partition import RankView, layer_keys, partition
@@ -38,6 +39,7 @@ def dedicate_params(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     prefetch: int = 1,
+    blocks: Mapping[str, Blocks | str] | None = None,
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
@@ -53,6 +55,9 @@ def dedicate_params(
     prefetch: layers whose gathers travel ahead of the one computing (the last forward's order;
         Z3 backward: reversed); 0: every gather and reduce blocks. Z3 holds up to prefetch + 1
         layers' gathered copies.
+    blocks: {name or fnmatch pattern: `Blocks` spec} for matrices made of several (experts,
+        fused qkv, heads; ns/_blocks.py); default: conv weights one flattened matrix, other 3+-D
+        parameters a batch of matrices over their leading dims.
     Returns {name: owner}: the shard rank, or (shard, replica) under HSDP (tensor parallelism:
     the data coordinate; `plan.tensor_slot(name)` its root tensor rank).
     """
@@ -99,7 +104,15 @@ def dedicate_params(
         gram_min_aspect=agreed_aspect(device),  # every rank plans (and runs) rank 0's dispatch
         tensor_size=1 if tmesh is None else tmesh.size(),
         layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
+        blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),
     )
+    split = [n for n, s in shapes.items() if len(s) >= 2 and _blocks(plan.blocks_of(n), s) > 1]
+    if tmesh is not None and split:
+        raise ValueError(
+            f"{split[0]} is made of several matrices ({plan.blocks_of(split[0])}), which tensor "
+            f"parallelism does not split yet: pass blocks={{{split[0]!r}: 'flatten'}} to "
+            "orthogonalize it as one matrix, or leave it out of tensor parallelism"
+        )
     check_plan_consistent(plan)  # before any other collective: ranks that disagree all raise
     tp = None
     if tmesh is not None:
@@ -146,6 +159,10 @@ def dedicate_params(
             broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, R)
     setattr(model, STATE_ATTR, st)
     return {n: plan.owner(e.name) for e in st.entries for n in e.names}
+
+
+def _blocks(spec: Blocks | None, shape: tuple[int, ...]) -> int:
+    return 0 if spec is None else sum(k for k, _ in block_shapes(spec, shape))
 
 
 def _mesh_device(mesh: DeviceMesh, current: torch.device) -> torch.device:

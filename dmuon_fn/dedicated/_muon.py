@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from ..comm._mesh import phase
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
+from ..optim._qk_clip import ClipHeads, LogitTracker, clip_params, stacked_maxes
 from ..optim._update import (
     KINDS,
     MuonState,
@@ -76,6 +77,10 @@ class Muon(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
         gather_in_step: bool = False,
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = 0.5,
+        qk_clip_heads: Mapping[Hashable, ClipHeads] | None = None,
+        logit_tracker: LogitTracker | None = None,
     ) -> None:
         st = dedicated_state(model)
         if st is None:
@@ -99,6 +104,9 @@ class Muon(torch.optim.Optimizer):
             max_grad_norm=max_grad_norm,
             nonfinite=nonfinite,
             host_sync=True,
+            qk_clip_tau=qk_clip_tau,
+            qk_clip_alpha=qk_clip_alpha,
+            qk_clip_heads=qk_clip_heads or (),
         )
         if gather_in_step and st.replicate_group is not None:
             raise ValueError(
@@ -114,6 +122,13 @@ class Muon(torch.optim.Optimizer):
         self.replicate_async = replicate_async
         self.gather_in_step = bool(gather_in_step)
         self.ns_calls = 0  # Newton-Schulz runs on this rank, for tests and benchmarks
+        self.tracker, self.clip_entries = logit_tracker, _clip_entries(st, self.config)
+        if self.config.qk_clip_heads and (logit_tracker is None or gather_in_step):
+            raise ValueError(
+                "QK-clip (qk_clip_heads) needs logit_tracker=, the LogitTracker the attentions "
+                "observe q and k with, and runs without gather_in_step (it changes the weights "
+                "after every update)"
+            )
         super().__init__(param_groups(model, st, self.config), {})
         for group in self.param_groups:
             for p in group["params"]:
@@ -152,6 +167,8 @@ class Muon(torch.optim.Optimizer):
         sched.step_gather_until(None)
         if exchange is not None:
             exchange.finish()
+        if self.config.qk_clip_heads:
+            self._qk_clip(ok)
         self.st.publish(self.replicate_async)
         self.guard.forget()
         return loss
@@ -171,7 +188,8 @@ class Muon(torch.optim.Optimizer):
             return
         state = {k: fsdp.local(v) for k, v in self.state[p].items()}
         lp, g, pure = fsdp.local(p), fsdp.local(p.grad), state_from(KINDS[kind], state)
-        new, s = param_update(kind, lp, g, pure, group, adjust_lr=adjust, ns=self.ns)
+        blocks = None if e is None else self.st.plan.blocks_of(e.name)
+        new, s = param_update(kind, lp, g, pure, group, adjust_lr=adjust, ns=self.ns, blocks=blocks)
         self.ns_calls += kind == "muon"
         guard.write(lp, new, ok)
         for k, v in state_items(s).items():
@@ -222,6 +240,22 @@ class Muon(torch.optim.Optimizer):
                     state[k] = v.to(p.device)
                 elif dtype is not None and torch.is_tensor(v) and v.is_floating_point():
                     state[k] = v.to(dtype)
+
+    @torch.no_grad()
+    def _qk_clip(self, ok: Tensor | None) -> None:
+        """The clip of the attentions' q/k weights this rank updates, from the tracker's max
+        logits MAX-reduced over the world (one all-reduce); resets the tracker."""
+        cfg, tracker = self.config, self.tracker
+        device = self.st.entries[0].param.device
+        maxes = stacked_maxes(cfg.qk_clip_heads, tracker.maxima(), device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with phase("step (QK-clip max logits)"):
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        mine = {n: e for n, e in self.clip_entries.items() if self.st.is_global_owner(e)}
+        clip = (cfg.qk_clip_heads, maxes, cfg.qk_clip_tau, cfg.qk_clip_alpha)
+        for n, v in clip_params(*clip, {n: e.param for n, e in mine.items()}).items():
+            guard.write(mine[n].param, v, ok)
+        tracker.reset()
 
     def wait_publish(self) -> None:
         """Wait for the last backward's reduces and the last step's publishes and gathers."""
@@ -331,3 +365,17 @@ def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[d
     hyper = config.groups()
     kinds = (("muon", muon), ("adamw", adamw))
     return [dict(params=ps, kind=kind, **hyper[kind]) for kind, ps in kinds if ps]
+
+
+def _clip_entries(st: DedicatedState, config: Config) -> dict[str, Any]:
+    """The dedicated entry of each QK-clip weight; ValueError for one that is not a dedicated
+    matrix, or is split by tensor parallelism."""
+    by_name = {n: e for e in st.entries for n in e.names}
+    names = sorted({n for _, h in config.qk_clip_heads for n in (h.q, h.k)})
+    bad = [n for n in names if n not in by_name or not by_name[n].is_matrix or by_name[n].tp]
+    if bad:
+        raise ValueError(
+            f"qk_clip_heads names {bad[:3]}: QK-clip weights must be dedicated matrices "
+            "(dedicate_params' predicate), not split by tensor parallelism"
+        )
+    return {n: by_name[n] for n in names}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm._mesh import check_dtypes, check_meshes
 from ..dedicated import _fsdp_adapter as fsdp
+from ..ns._blocks import Blocks, model_blocks
 from ..ns._dispatch import agreed_aspect, gram_min_aspect
 from ..planning._check import check_plan_consistent
 from ..planning._partition import RankView, partition
@@ -67,12 +68,16 @@ def plan(
     replicate_mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    blocks: Mapping[str, Blocks | str] | None = None,
 ) -> FnPlan:
     """Plan ownership of every parameter of `model` (`named_parameters()` order); mesh None: one
     process. predicate(name, param) picks the Muon matrices (default: 2+ dims), the rest AdamW.
     Mixed precision as `dedicate_params`: parameters gathered and computed with in `param_dtype`,
     the global owner's master in the model dtype (at least fp32), gradients summed in
-    `reduce_dtype` (default param_dtype); None: the model dtype throughout, no master."""
+    `reduce_dtype` (default param_dtype); None: the model dtype throughout, no master.
+    blocks: {name or fnmatch pattern: `Blocks` spec} for matrices made of several (experts,
+    fused qkv, heads); default: conv weights one flattened matrix, other 3+-D parameters a
+    batch of matrices over their leading dims (ns/_blocks.py)."""
     check_dtypes(param_dtype, reduce_dtype)
     named = list(model.named_parameters())
     if not named:
@@ -100,7 +105,10 @@ def plan(
     shapes, device = {n: tuple(p.shape) for n, p in named}, named[0][1].device
     aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)  # rank 0's in a job
     adamw = [n for n in shapes if n not in muon]
-    part = partition(shapes, G * R, replicate_size=R, elementwise=adamw, gram_min_aspect=aspect)
+    specs = model_blocks(model, sorted(muon), blocks)
+    part = partition(
+        shapes, G * R, replicate_size=R, elementwise=adamw, gram_min_aspect=aspect, blocks=specs
+    )
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
     names, shapes = tuple(shapes), tuple(shapes.values())

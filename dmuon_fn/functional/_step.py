@@ -4,7 +4,7 @@ and again for its backward (proofs/step_notes.md, proofs/prefetch.md, proofs/ded
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm._mesh import master_dtype
 from ..optim import _guard as guard
 from ..optim._config import Config, check_nonfinite
+from ..optim._qk_clip import clip_params, stacked_maxes
 from ..optim._update import AdamWState, MuonState, init_state, param_update
 from ._plan import FnPlan
 
@@ -41,6 +42,7 @@ class State(NamedTuple):
 def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
     """This rank's `State`: real where it owns, 0-size elsewhere."""
     config = config or Config()
+    _check_clip_names(config, fn_plan.muon)
     params, opt = {}, {}
     named = dict(model.named_parameters())
     for name in fn_plan.names:
@@ -68,18 +70,24 @@ def value_and_grad(
     fn_plan: FnPlan,
     *,
     prefetch: int = 1,
-) -> Callable[[dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    has_aux: bool = False,
+) -> Callable[[dict[str, torch.Tensor], Any], tuple[Any, dict[str, torch.Tensor]]]:
     """(params, batch) -> (this rank's loss, grads): each grad the data-parallel mean on the
     parameter's global owner, zeros shaped like the slot elsewhere. loss_fn(params, batch) -> loss
     sees every parameter in full (Z2: one gather before, one reduce after). Stages [(names, fn),
     ...], fn(params, x, batch) -> x (x None for the first, the loss from the last) run Z3, equal to
-    Z2 to fp32 rounding: prefetch=1 holds two adjacent stages' copies and overlaps, 0 one's."""
+    Z2 to fp32 rounding: prefetch=1 holds two adjacent stages' copies and overlaps, 0 one's.
+    has_aux (Z2): loss_fn returns (loss, aux), the result ((loss, aux), grads); aux is how values
+    made in the forward leave it (e.g. a LogitTracker's `maxima()` for QK-clip)."""
     if not callable(loss_fn):
+        if has_aux:
+            raise ValueError("has_aux=True takes one loss_fn (Z2), not stages")
         return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
         full = _gather(params, fn_plan.names, fn_plan)[0]
-        grads, loss = torch.func.grad_and_value(lambda f: loss_fn(f, batch))(full)
+        fn = torch.func.grad_and_value(lambda f: loss_fn(f, batch), has_aux=has_aux)
+        grads, loss = fn(full)
         return loss, _reduce(grads, fn_plan.names, fn_plan)[0]
 
     return run
@@ -93,11 +101,14 @@ def update(
     adamw_lr: torch.Tensor | float | None = None,
     weight_decay: torch.Tensor | float | None = None,
     adamw_weight_decay: torch.Tensor | float | None = None,
+    max_logits: Mapping[Hashable, torch.Tensor] | None = None,
 ) -> State:
     """One pure step: Muon or AdamW on the parameters this rank owns (the masters under mixed
     precision), then (HSDP) the publish to the other replicas in `param_dtype`. Arguments left
     None take `Config.groups()`'s; pass tensors to schedule without recompiling. The guard
-    (`Config.max_grad_norm`, `nonfinite`): one float64 all-reduce per mesh dimension."""
+    (`Config.max_grad_norm`, `nonfinite`): one float64 all-reduce per mesh dimension.
+    max_logits: {key: per-head max logits} (a LogitTracker's) when `Config.qk_clip_heads` is set:
+    MAX-reduced in the graph, then the owners of those weights clip them."""
     p_, cfg = state.plan, state.config
     check_nonfinite(cfg.nonfinite, host_sync=False)
     hyper = cfg.groups(
@@ -116,10 +127,30 @@ def update(
     for n in [n for n in p_.names if p_.is_global_owner(n) and n in p_.trainable]:
         kind = "muon" if n in p_.muon else "adamw"
         new, s = param_update(
-            kind, params[n], grads[n], opt[n], hyper[kind], adjust_lr=cfg.adjust_lr, ns=cfg.ns
+            kind,
+            params[n],
+            grads[n],
+            opt[n],
+            hyper[kind],
+            adjust_lr=cfg.adjust_lr,
+            ns=cfg.ns,
+            blocks=p_.partition.blocks_of(n),
         )
         params[n] = guard.keep(ok, new, params[n])
         opt[n] = type(s)(*(guard.keep(ok, a, b) for a, b in zip(s, opt[n], strict=True)))
+    maxes = None
+    if cfg.qk_clip_heads:  # after the update, before the publish: on the global owners
+        if max_logits is None:
+            raise ValueError("Config.qk_clip_heads is set: pass update(..., max_logits={key: max})")
+        maxes = stacked_maxes(cfg.qk_clip_heads, max_logits, grads[p_.names[0]].device)
+        for size, group in ((p_.shard_size, p_.group), (p_.replicate_size, p_.rep_group)):
+            if size > 1:
+                maxes = funcol.all_reduce(maxes, "max", group)
+        held = {n: params[n] for _, h in cfg.qk_clip_heads for n in (h.q, h.k)}
+        held = {n: v for n, v in held.items() if p_.is_global_owner(n)}
+        clip = (cfg.qk_clip_heads, maxes, cfg.qk_clip_tau, cfg.qk_clip_alpha)
+        for n, v in clip_params(*clip, held).items():
+            params[n] = guard.keep(ok, v, params[n])
     mine = [n for n in p_.names if p_.is_local_owner(n)]
     if p_.replicate_size > 1 and mine:
         # one publish over the replicate group (its ranks hold the same `mine`), after the step's
@@ -129,7 +160,7 @@ def update(
         outs = torch.ops.dmuon.owner_broadcast(
             *_entries(values, [p_.shape(n) for n in mine], routes),
             p_.rep_group,
-            after=[grads[n] for n in p_.names] + ([] if sq is None else [sq]),
+            after=[grads[n] for n in p_.names] + [x for x in (sq, maxes) if x is not None],
         )
         # the other replicas take the published copy; the global owner keeps its master
         params.update((n, o) for n, o in zip(mine, outs, strict=True) if not p_.is_global_owner(n))
@@ -342,3 +373,13 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
 def _add(grads: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
     for n, g in reduced.items():
         grads[n] = grads[n] + g if n in grads else g
+
+
+def _check_clip_names(config: Config, matrices: frozenset[str]) -> None:
+    """ValueError unless every QK-clip weight is a Muon matrix of the plan."""
+    names = {n for _, h in config.qk_clip_heads for n in (h.q, h.k)}
+    if names - matrices:
+        raise ValueError(
+            f"Config.qk_clip_heads names {sorted(names - matrices)[:3]}, not Muon matrices of "
+            "the plan: name the query and key weights (a fused qkv weight as q and k)"
+        )

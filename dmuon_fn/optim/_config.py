@@ -4,6 +4,7 @@ API takes one); `groups()` names them as param groups do (proofs/step_notes.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from ..ns._dispatch import setup_field
 from ..ns._orthogonalize import NSConfig
 from ..planning._check import check_setup_consistent, kernel_field
 from ._guard import NONFINITE, check_max_norm
+from ._qk_clip import ClipHeads
 
 # Each param-group kind's keys -> the Config fields they come from.
 GROUP_FIELDS: dict[str, dict[str, str]] = {
@@ -29,7 +31,9 @@ class Config:
     the functional `update`'s per-step arguments. max_grad_norm: clip by the global norm (None:
     no clipping). nonfinite: "skip" (a non-finite gradient anywhere leaves every parameter and
     state unchanged on every rank, masked on device), "ignore", or "raise" (a host sync: only
-    with `host_sync=True`, as `Muon` builds it). state_dtype None: the parameter's."""
+    with `host_sync=True`, as `Muon` builds it). state_dtype None: the parameter's.
+    qk_clip_tau, qk_clip_alpha, qk_clip_heads: QK-clip after each step (optim/_qk_clip.py) of
+    the attentions {key: ClipHeads}, from the max logits a LogitTracker saw (None: off)."""
 
     momentum: float = 0.95
     nesterov: bool = True
@@ -44,6 +48,9 @@ class Config:
     nonfinite: str = "skip"
     lr: float = 0.02
     adamw_lr: float | None = None
+    qk_clip_tau: float | None = None
+    qk_clip_alpha: float = 0.5
+    qk_clip_heads: Any = ()  # {key: ClipHeads}, kept as ((key, ClipHeads), ...) in key order
     host_sync: InitVar[bool] = False
 
     def __post_init__(self, host_sync: bool) -> None:
@@ -56,6 +63,17 @@ class Config:
         object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
         check_max_norm(self.max_grad_norm)
         check_nonfinite(self.nonfinite, host_sync)
+        heads = self.qk_clip_heads
+        heads = tuple(heads.items()) if isinstance(heads, Mapping) else tuple(heads)
+        object.__setattr__(self, "qk_clip_heads", heads)
+        if any(not isinstance(h, ClipHeads) for _, h in heads):
+            raise ValueError("Config.qk_clip_heads maps a key (e.g. a layer's name) to ClipHeads")
+        tau, alpha = self.qk_clip_tau, self.qk_clip_alpha
+        if (tau is not None and not tau > 0) or not 0 <= alpha <= 1 or (heads and tau is None):
+            raise ValueError(
+                f"QK-clip needs qk_clip_tau > 0 (None: off) with qk_clip_heads, and "
+                f"qk_clip_alpha in [0, 1]; got tau {tau!r}, alpha {alpha!r}, {len(heads)} heads"
+            )
 
     @property
     def guarded(self) -> bool:

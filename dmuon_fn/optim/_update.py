@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..ns._blocks import Blocks, block_shapes, check, orthogonalize_blocks
 from ..ns._orthogonalize import NSConfig, orthogonalize_with
 
 Scalar = float | Tensor
@@ -77,8 +78,11 @@ def muon_update(
     nesterov: bool = True,
     adjust_lr: str = "match_rms_adamw",
     ns: NSConfig = NSConfig(),  # noqa: B008  (frozen, immutable)
+    blocks: Blocks | str | None = None,
 ) -> tuple[Tensor, MuonState]:
-    """One Muon step for one matrix parameter: (new param, new state)."""
+    """One Muon step for one matrix parameter: (new param, new state). blocks: how the
+    parameter is made of matrices (`Blocks` or its string, ns/_blocks.py): each block is
+    orthogonalized on its own and scaled by its own shape; None: trailing dims flattened."""
     if param.dim() < 2:
         raise ValueError(
             f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
@@ -87,11 +91,19 @@ def muon_update(
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
     u, new_state = muon_momentum(grad, state, momentum=momentum, nesterov=nesterov)
-    # With Nesterov, u is a temporary: orthogonalize may normalize in its buffer and return it.
-    O = orthogonalize_with(u.reshape(u.shape[0], -1), ns, overwrite=nesterov)
-    new = muon_apply(
-        param, O.reshape(param.shape), lr=lr, weight_decay=weight_decay, adjust_lr=adjust_lr
-    )
+    spec = None if blocks is None else check(blocks, param.shape, "the parameter")
+    parts = [(1, (param.shape[0], param.numel() // param.shape[0]))]  # None: one flat matrix
+    parts = parts if spec is None else block_shapes(spec, param.shape)
+    hyper = {"lr": lr, "weight_decay": weight_decay, "adjust_lr": adjust_lr}
+    if len(parts) > 1:  # blocks of several shapes: each scaled by its own
+        O = orthogonalize_blocks(u, spec, ns, scale=lambda m, n: lr_scale((m, n), adjust_lr))
+        return muon_apply(param, O, **hyper, scale=1.0), new_state
+    count, shape = parts[0]
+    if count > 1:
+        O = orthogonalize_blocks(u, spec, ns)
+    else:  # one matrix; with Nesterov u is a temporary that may hold the result
+        O = orthogonalize_with(u.reshape(shape), ns, overwrite=nesterov).reshape(param.shape)
+    new = muon_apply(param, O, **hyper, shape=shape)
     return new, new_state
 
 
@@ -114,12 +126,16 @@ def muon_apply(
     weight_decay: Scalar = 0.0,
     adjust_lr: str = "match_rms_adamw",
     shape: torch.Size | tuple[int, ...] | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """W·(1 − lr·wd) − lr·scale(shape)·O; O has param's shape and may be overwritten. shape:
-    the whole matrix's when param and O are shards of it (default: param's)."""
+    the whole matrix's when param and O are shards of it (default: param's); scale: the
+    per-matrix multiplier (default: `lr_scale(shape, adjust_lr)`; 1.0 when O is scaled)."""
     lr, weight_decay = on_device(lr, param.device), on_device(weight_decay, param.device)
     O = O.to(param.dtype)
-    step = lr * lr_scale(param.shape if shape is None else shape, adjust_lr)
+    if scale is None:
+        scale = lr_scale(param.shape if shape is None else shape, adjust_lr)
+    step = lr * scale
     decay = 1 - lr * weight_decay
     if O.stride() != param.stride():  # (a tall matrix's O is transposed) keep param's layout
         return (param * decay).sub_(O.mul_(step))
@@ -175,11 +191,12 @@ def param_update(
     *,
     adjust_lr: str,
     ns: NSConfig,
+    blocks: Blocks | str | None = None,
 ) -> tuple[Tensor, MuonState | AdamWState]:
     """One parameter's step (both faces'): `group` holds its kind's hyperparameters as
-    `Config.groups()` names them (lr and weight_decay may be 0-d tensors)."""
+    `Config.groups()` names them (lr and weight_decay may be 0-d tensors); blocks: Muon's."""
     if kind == "muon":
         hyper = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov")}
-        return muon_update(param, grad, state, **hyper, adjust_lr=adjust_lr, ns=ns)
+        return muon_update(param, grad, state, **hyper, adjust_lr=adjust_lr, ns=ns, blocks=blocks)
     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
     return adamw_update(param, grad, state, **hyper)

@@ -19,6 +19,7 @@ from typing import Any
 from custom_ops._lpt import SPREAD_TOLERANCE, schedule
 from custom_ops._lpt import slot_loads as per_slot_sums
 
+from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
@@ -72,6 +73,8 @@ class Plan:
     tensor_size: int = 1
     tensor_slots: tuple[int, ...] = ()
     layouts: tuple[str, ...] = ()
+    # per parameter: how it is made of matrices (None when elementwise)
+    blocks: tuple[Blocks | None, ...] = ()
 
     @property
     def shard_size(self) -> int:
@@ -106,9 +109,14 @@ class Plan:
         """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP)."""
         return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
+    def blocks_of(self, name: str) -> Blocks | None:
+        """How `name` is made of matrices (None: elementwise; a plan without: one matrix)."""
+        return self.blocks[self._index(name)] if self.blocks else Blocks()
+
     def canonical(self) -> str:
         """The JSON `digest` hashes: sizes and (name, shape, slot) in name order; with tensor
-        parallelism also the tensor size and (layout, tensor slot) per name."""
+        parallelism also the tensor size and (layout, tensor slot) per name; the blocks per name
+        when any matrix is more than one 2-D matrix."""
         body = {
             "world_size": self.world_size,
             "replicate_size": self.replicate_size,
@@ -120,6 +128,8 @@ class Plan:
         if self.tensor_slots or self.layouts:
             body["tensor_size"] = self.tensor_size
             body["tensor"] = [list(x) for x in zip(self.layouts, self.tensor_slots, strict=True)]
+        if any(b is not None and b != Blocks() for b in self.blocks):
+            body["blocks"] = [str(b) if b is not None else "" for b in self.blocks]
         return json.dumps(body, separators=(",", ":"), ensure_ascii=True)
 
     def digest(self) -> str:
@@ -179,6 +189,7 @@ def partition(
     gram_min_aspect: float = GRAM_MIN_ASPECT,
     tensor_size: int = 1,
     layouts: Mapping[str, str] | None = None,
+    blocks: Mapping[str, Blocks | str] | None = None,
 ) -> Plan:
     """One owner slot per parameter of `named_shapes` ({name: shape} or pairs), costs balanced.
 
@@ -190,7 +201,11 @@ def partition(
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
         may be and still be chosen (0: never above plain LPT's maximum load).
     tensor_size, layouts: T tensor ranks; {name: layout} for every name ("Shard(0)",
-        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'."""
+        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'.
+    blocks: {name: `Blocks` or its string} for matrices that are more than one 2-D matrix (MoE
+        experts, fused qkv, heads; ns/_blocks.py); default: a 3+-D parameter is a batch of
+        matrices over its leading dims (pass "flatten" for conv weights), a 2-D one one matrix.
+    """
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
     if world_size % replicate_size:
@@ -216,10 +231,13 @@ def partition(
     ew = set(elementwise)
     matrix = [len(sh) >= 2 and n not in ew for n, sh in zip(names, shapes, strict=True)]
     nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
+    specs = _specs(names, shapes, matrix, blocks or {})
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
     ns = [
-        ns_flops((sh[0], math.prod(sh) // sh[0]), **ns_kw, min_aspect=gram_min_aspect) if m else 0.0
-        for sh, m in zip(shapes, matrix, strict=True)
+        math.fsum(k * ns_flops(mn, **ns_kw, min_aspect=gram_min_aspect) for k, mn in shapes_of)
+        for shapes_of in (
+            block_shapes(b, sh) if b else () for b, sh in zip(specs, shapes, strict=True)
+        )
     ]
     costs = [f + flops_per_byte * math.prod(shapes[i]) * bytes_per_elem for i, f in enumerate(ns)]
 
@@ -266,7 +284,22 @@ def partition(
         tensor_size=tensor_size,
         tensor_slots=tuple(tensor_slots),
         layouts=layout,
+        blocks=tuple(specs),
     )
+
+
+def _specs(names, shapes, matrix, given: Mapping[str, Blocks | str]) -> list[Blocks | None]:
+    """Each parameter's checked `Blocks` (None: elementwise), `given` or the default."""
+    unknown = sorted(set(given) - {n for n, m in zip(names, matrix, strict=True) if m})
+    if unknown:
+        raise ValueError(
+            f"blocks names {unknown[:5]}, not matrices of the plan: give specs only for the "
+            "parameters Muon updates (dedicated matrices, by their names)"
+        )
+    return [
+        (check(given[n], sh, n) if n in given else default_blocks(sh, conv=False)) if m else None
+        for n, sh, m in zip(names, shapes, matrix, strict=True)
+    ]
 
 
 def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
