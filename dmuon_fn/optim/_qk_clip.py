@@ -160,20 +160,15 @@ def qk_clip(
 
 
 def qk_clip_fused(
-    w_qkv: Tensor,
-    max_logits: Tensor,
-    *,
-    tau: Scalar,
-    alpha: Scalar = 0.5,
-    num_heads: int,
-    num_kv_heads: int | None = None,
+    w_qkv: Tensor, max_logits: Tensor, *, num_heads: int, num_kv_heads: int | None = None, **clip
 ) -> Tensor:
     """The clipped fused projection: w_qkv ((num_heads + 2·num_kv_heads)·d, ...) with rows
     [q, k, v]; a fused weight (rows, hidden) or bias (rows,). The v rows keep their bits. A fused
-    bias clips by the same call with the same max_logits."""
+    bias clips by the same call with the same max_logits. clip: tau= and alpha= (default 0.5), as
+    `qk_clip` takes them."""
     kv = _kv_heads(num_heads, num_kv_heads)
     _head_dim(w_qkv, num_heads + 2 * kv, "w_qkv", "num_heads + 2·num_kv_heads")
-    q, k = qk_clip_scales(max_logits, tau=tau, alpha=alpha, num_heads=num_heads, num_kv_heads=kv)
+    q, k = qk_clip_scales(max_logits, **clip, num_heads=num_heads, num_kv_heads=kv)
     return _scale_rows(w_qkv, torch.cat([q, k, torch.ones_like(k)]))
 
 
