@@ -96,6 +96,12 @@ def _collectives_through_scratch() -> Iterator[None]:
         dist.broadcast, dist.reduce = saved
 
 
+# Every profiler a measurement made, kept: a torch 2.13 profiler object sits in reference cycles
+# (bound methods, partials), and the garbage collector segfaults when it frees one (seen inside
+# a later backward's collective). Kept alive, none is ever collected.
+_PROFILERS: list = []
+
+
 def peak_bytes(fn: Callable[[], object]) -> tuple[object, dict[str, int]]:
     """(fn(), {"gathered": peak bytes, "total": peak bytes}) over one call of fn."""
     with (
@@ -113,6 +119,7 @@ def peak_bytes(fn: Callable[[], object]) -> tuple[object, dict[str, int]]:
             now[k] += size
 
     events = _allocations(prof.profiler.kineto_results.experimental_event_tree())
+    _PROFILERS.append(prof)
     for _, ptr, size, region in events:
         if ptr in live:  # freed, or handed out again: freed unseen (a scratch copy, on gloo's)
             old, old_region = live.pop(ptr)
