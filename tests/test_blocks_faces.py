@@ -148,3 +148,26 @@ def test_blocks_for_a_name_that_is_not_a_matrix_raise():
         dmuon.plan(_model(), blocks={"nope.weight": "rows/2"})
     with pytest.raises(ValueError, match=r"attn\.qkv\.weight of shape \(24, 16\).*sum"):
         dmuon.plan(_model(), blocks={"attn.qkv.weight": "rows=16+4+5"})
+
+
+def test_the_compiled_functional_step_with_blocks_is_one_graph_equal_to_eager():
+    model = _model()
+    fp = dmuon.plan(model, blocks=BLOCKS)
+    cfg = dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean()
+
+    vg = dmuon.value_and_grad(loss_fn, fp)
+
+    def step(state, batch):
+        return dmuon.update(vg(state.params, batch)[1], state)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    eager_state = compiled_state = dmuon.init(model, fp, cfg)
+    for i in range(2):
+        eager_state = step(eager_state, _batch(i))
+        compiled_state = compiled(compiled_state, _batch(i))
+    for n, v in eager_state.params.items():
+        assert torch.equal(compiled_state.params[n], v), n
