@@ -185,3 +185,12 @@ def test_qk_clip_needs_its_tracker_and_matrices():
     cfg = dmuon.Config(qk_clip_tau=1.0, qk_clip_heads={"x": dmuon.ClipHeads("nope", "nope", 2)})
     with pytest.raises(ValueError, match="not Muon matrices"):
         dmuon.init(_model(tracker), dmuon.plan(_model(tracker)), cfg)
+
+
+def test_qk_clip_heads_that_do_not_split_into_heads_raise_at_setup():
+    tracker = dmuon.LogitTracker()
+    # q_proj has H·D = 16 rows: 3 heads do not divide them
+    bad = {"attn": dmuon.ClipHeads("attn.q_proj.weight", "attn.k_proj.weight", 3, 1)}
+    cfg = dmuon.Config(qk_clip_tau=1.0, qk_clip_heads=bad)
+    with pytest.raises(ValueError, match=r"qk_clip_heads\['attn'\].*check the head counts"):
+        dmuon.init(_model(tracker), dmuon.plan(_model(tracker)), cfg)

@@ -15,7 +15,7 @@ from ..comm._mesh import phase
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
-from ..optim._qk_clip import ClipHeads, LogitTracker, clip_params, stacked_maxes
+from ..optim._qk_clip import ClipHeads, LogitTracker, check_clip_heads, clip_params, stacked_maxes
 from ..optim._update import (
     KINDS,
     MuonState,
@@ -368,14 +368,15 @@ def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[d
 
 
 def _clip_entries(st: DedicatedState, config: Config) -> dict[str, Any]:
-    """The dedicated entry of each QK-clip weight; ValueError for one that is not a dedicated
-    matrix, or is split by tensor parallelism."""
-    by_name = {n: e for e in st.entries for n in e.names}
+    """The dedicated entry of each QK-clip weight (`check_clip_heads` against the dedicated
+    matrices); ValueError for one split by tensor parallelism."""
+    by_name = {n: e for e in st.entries if e.is_matrix for n in e.names}
+    check_clip_heads(config.qk_clip_heads, {n: e.full_shape for n, e in by_name.items()})
     names = sorted({n for _, h in config.qk_clip_heads for n in (h.q, h.k)})
-    bad = [n for n in names if n not in by_name or not by_name[n].is_matrix or by_name[n].tp]
-    if bad:
+    split = [n for n in names if by_name[n].tp is not None]
+    if split:
         raise ValueError(
-            f"qk_clip_heads names {bad[:3]}: QK-clip weights must be dedicated matrices "
-            "(dedicate_params' predicate), not split by tensor parallelism"
+            f"qk_clip_heads names {split[:3]}, split by tensor parallelism: QK-clip runs on "
+            "whole dedicated matrices"
         )
     return {n: by_name[n] for n in names}

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm._mesh import master_dtype
 from ..optim import _guard as guard
 from ..optim._config import Config, check_nonfinite
-from ..optim._qk_clip import clip_params, stacked_maxes
+from ..optim._qk_clip import check_clip_heads, clip_params, stacked_maxes
 from ..optim._update import AdamWState, MuonState, init_state, param_update
 from ._plan import FnPlan
 
@@ -42,7 +42,7 @@ class State(NamedTuple):
 def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
     """This rank's `State`: real where it owns, 0-size elsewhere."""
     config = config or Config()
-    _check_clip_names(config, fn_plan.muon)
+    check_clip_heads(config.qk_clip_heads, {n: fn_plan.shape(n) for n in fn_plan.muon})
     params, opt = {}, {}
     named = dict(model.named_parameters())
     for name in fn_plan.names:
@@ -373,13 +373,3 @@ def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: in
 def _add(grads: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
     for n, g in reduced.items():
         grads[n] = grads[n] + g if n in grads else g
-
-
-def _check_clip_names(config: Config, matrices: frozenset[str]) -> None:
-    """ValueError unless every QK-clip weight is a Muon matrix of the plan."""
-    names = {n for _, h in config.qk_clip_heads for n in (h.q, h.k)}
-    if names - matrices:
-        raise ValueError(
-            f"Config.qk_clip_heads names {sorted(names - matrices)[:3]}, not Muon matrices of "
-            "the plan: name the query and key weights (a fused qkv weight as q and k)"
-        )

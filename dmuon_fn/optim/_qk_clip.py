@@ -21,7 +21,7 @@ parallel, all-reduce the max logits with MAX before clipping, so every replica c
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -182,13 +182,32 @@ class ClipHeads:
     num_heads: int
     num_kv_heads: int | None = None
 
-    def clip(self, name: str, w: Tensor, max_logits: Tensor, tau: Scalar, alpha: Scalar) -> Tensor:
-        """`w`, the parameter `name` (this attention's q, k or fused weight), after the clip."""
-        heads = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
-        if self.q == self.k:
-            return qk_clip_fused(w, max_logits, tau=tau, alpha=alpha, **heads)
-        q, k = qk_clip_scales(max_logits, tau=tau, alpha=alpha, **heads)
-        return _scale_rows(w, q if name == self.q else k)
+
+def check_clip_heads(
+    heads: tuple[tuple[Hashable, ClipHeads], ...], matrices: Mapping[str, Sequence[int]]
+) -> None:
+    """ValueError unless every weight `heads` names is one of `matrices` ({name: full shape} of
+    the Muon matrices) whose rows its head counts divide, q and k with one head_dim: the setup
+    check both optimizer faces run, so a step never meets a weight it cannot clip."""
+    for key, h in heads:
+        kv = _kv_heads(h.num_heads, h.num_kv_heads)
+        unknown = [n for n in (h.q, h.k) if n not in matrices]
+        if unknown:
+            raise ValueError(
+                f"qk_clip_heads[{key!r}] names {unknown[0]!r}, not Muon matrices of the plan: "
+                "name the query and key weights (a fused qkv weight as q and k)"
+            )
+        rows = {n: int(matrices[n][0]) for n in (h.q, h.k)}
+        if h.q == h.k:
+            dims = [rows[h.q] / (h.num_heads + 2 * kv)]
+        else:
+            dims = [rows[h.q] / h.num_heads, rows[h.k] / kv]
+        if any(d != int(d) or d < 1 for d in dims) or len(set(dims)) > 1:
+            raise ValueError(
+                f"qk_clip_heads[{key!r}]: rows {rows} do not split into heads of one head_dim "
+                f"with num_heads={h.num_heads}, num_kv_heads={kv} (a fused weight: rows "
+                "(num_heads + 2·num_kv_heads)·head_dim): check the head counts"
+            )
 
 
 def clip_params(
@@ -205,9 +224,15 @@ def clip_params(
     for _, h in heads:
         m = maxes[at : at + h.num_heads]
         at += h.num_heads
-        for name in dict.fromkeys((h.q, h.k)):
-            if name in params:
-                out[name] = h.clip(name, params[name], m, tau, alpha)
+        counts = {"num_heads": h.num_heads, "num_kv_heads": h.num_kv_heads}
+        if h.q == h.k:
+            if h.q in params:
+                out[h.q] = qk_clip_fused(params[h.q], m, tau=tau, alpha=alpha, **counts)
+        elif h.q in params or h.k in params:  # both from one computation of the factors
+            q, k = qk_clip_scales(m, tau=tau, alpha=alpha, **counts)
+            out.update(
+                (n, _scale_rows(params[n], f)) for n, f in ((h.q, q), (h.k, k)) if n in params
+            )
     return out
 
 
