@@ -7,6 +7,7 @@ writes and reads only what it holds. Keys: `model.<name>`, `optim.<name>.<key>`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from typing import Any
@@ -15,7 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.utils._pytree import tree_map_only
 
 from .dedicated._muon import Muon
@@ -23,6 +31,7 @@ from .dedicated._state import DedicatedState, dedicated_state
 from .functional._step import State
 from .optim._guard import counters
 from .optim._update import STATE_KEYS, state_items
+from .planning._slices import parse_piece
 
 PathLike = str | os.PathLike
 Keys = tuple[dict[str, Any], dict[str, tuple]]  # (this rank's part, every tensor key's full shape)
@@ -169,8 +178,49 @@ def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load:
 
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:
-    """A dedicated tensor as saved (tensor parallelism: its part, a DTensor of the whole)."""
+    """A dedicated tensor as saved (tensor parallelism: its part, a DTensor of the whole; a
+    piece: its rows of the whole)."""
+    if e is not None and e.whole is not None:
+        return _piece_of(t, e.offset, e.whole)
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
+
+
+def _piece_of(t: torch.Tensor, at: int | None, whole: tuple[int, ...]) -> torch.Tensor:
+    """`t` as saved: a piece (`at` its offset) as `_Piece`, else (and 0-d step counts) itself."""
+    return t if at is None or t.ndim == 0 else _Piece.of(t, at, torch.Size(whole))
+
+
+class _Piece(torch.Tensor):
+    """Rows [offset, offset + len) along dim 0 of a tensor of shape `whole`, as DCP reads and
+    writes a chunk of a larger tensor (its checkpointable protocol, as DTensor's); it shares the
+    piece's storage, so a load writes into it."""
+
+    _at: torch.Size
+    _whole: torch.Size
+
+    @staticmethod
+    def of(t: torch.Tensor, offset: int, whole: torch.Size) -> _Piece:
+        x = torch.Tensor._make_subclass(_Piece, t)
+        x._at, x._whole = torch.Size([offset] + [0] * (t.ndim - 1)), torch.Size(whole)
+        return x
+
+    def size(self, dim: int | None = None):  # what DCP checks against the saved size
+        return self._whole if dim is None else self._whole[dim]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=self._at, sizes=self.as_subclass(torch.Tensor).size())]
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        local = self.as_subclass(torch.Tensor)
+        data = TensorWriteData(
+            chunk=self.__create_chunk_list__()[0],
+            properties=TensorProperties.create_from_tensor(local),
+            size=self._whole,
+        )
+        return [WriteItem(MetadataIndex(fqn, self._at), WriteItemType.SHARD, tensor_data=data)]
 
 
 def _with_counters(sd, shapes, skipped: torch.Tensor, norm: torch.Tensor) -> Keys:
@@ -187,10 +237,13 @@ def _state_keys(state: State, *, load: bool) -> Keys:
         items = state_items(state.opt[n])
         shapes[f"model.{n}"] = fp.shape(n)
         shapes |= {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
+        held = fp.view.held(n)
+        at = None if held in (None, n) else parse_piece(held)[1]  # a piece's offset
+        part = functools.partial(_piece_of, at=at, whole=fp.shape(n))
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
-            sd[f"model.{n}"] = state.params[n]
+            sd[f"model.{n}"] = part(state.params[n])
         if fp.is_global_owner(n):
-            sd.update({f"optim.{n}.{k}": v for k, v in items.items()})
+            sd.update({f"optim.{n}.{k}": part(v) for k, v in items.items()})
     return _with_counters(sd, shapes, state.skipped_steps, state.grad_norm)
 
 

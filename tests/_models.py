@@ -271,6 +271,12 @@ def reference(
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _parent(piece: str) -> str:
+    from dmuon_fn.planning._slices import parse_piece
+
+    return parse_piece(piece)[0]
+
+
 def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, torch.Tensor]:
     """Every parameter's whole value on every rank, by module path (test-only: broadcasts over
     the world). The global rank of mesh coordinate (replica, shard[, tensor]) is row-major;
@@ -281,6 +287,7 @@ def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, tor
     get = get or (lambda p: p)
     out = {}
     T = 1 if st.tensor is None else st.tensor.size
+    by_name = {e.name: e for e in st.entries}
     for n, p in model.named_parameters():
         n = n.replace("_orig_mod.", "")  # (a block compiled alone)
         e = st.entry(p)
@@ -288,14 +295,21 @@ def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, tor
             x = get(p)
             out[n] = x.full_tensor().detach().clone() if hasattr(x, "full_tensor") else x.detach()
             continue
+        dtype = e.dtype if cast else torch.float32
+        if e.tp is None or not e.tp.sharded:  # the whole parameter, or its pieces in order
+            bufs = []
+            for x in [
+                by_name[piece]
+                for piece in st.plan.pieces(e.names[0] if e.whole is None else _parent(e.name))
+            ]:
+                here = st.is_global_owner(x)
+                buf = get(x.param).detach().float().clone() if here else torch.empty(x.shape)
+                dist.broadcast(buf, src=(x.owner_replica * st.shard_size + x.owner_shard) * T)
+                bufs.append(buf)
+            out[n] = torch.cat(bufs).to(dtype)
+            continue
         slot = e.owner_replica * st.shard_size + e.owner_shard
         here = st.is_global_owner(e)
-        dtype = e.dtype if cast else torch.float32
-        if e.tp is None or not e.tp.sharded:
-            buf = get(e.param).detach().float().clone() if here else torch.empty(e.full_shape)
-            dist.broadcast(buf, src=slot * T)
-            out[n] = buf.to(dtype)
-            continue
         parts = []
         for t in range(T):
             shape = e.tp.part_shape(t)

@@ -36,7 +36,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
-from dmuon_fn.dedicated._dedicate import _Z3Saver as Z3
+from dmuon_fn.dedicated._hooks import _Z3Saver as Z3
 from tests._dist import run_ranks
 from tests._models import Block, D, full_params, is_proj, meshes, muon_fp32
 

@@ -7,6 +7,7 @@ hand-computed layer keys, costs and schedules.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import subprocess
@@ -25,6 +26,7 @@ import custom_ops  # noqa: F401  (registers dmuon::lpt_partition)
 from custom_ops import _lpt
 from dmuon_fn.ns._cost import ns_flops
 from dmuon_fn.planning._partition import FLOPS_PER_BYTE, layer_keys, partition
+from dmuon_fn.planning._slices import parse_piece
 from tests._plans import column_bytes, layer_collisions, max_load, owned_by, param_cost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,10 +124,20 @@ def models(draw):
 def test_every_parameter_has_exactly_one_owner_in_range(named, shards, reps):
     world = shards * reps
     plan = partition(named, world, replicate_size=reps)
-    assert plan.names == tuple(sorted(named))
+    sliced = dict(plan.sliced)
+    units = sorted(p for n in named for p in plan.pieces(n))
+    assert plan.names == tuple(units) and set(sliced) <= set(named)
     owned = [n for s in range(world) for n in owned_by(plan, s)]
-    assert sorted(owned) == sorted(named)
-    for n in named:
+    assert sorted(owned) == units
+    for n, pieces in sliced.items():  # contiguous cover of dim 0, one piece per shard column
+        bounds = [parse_piece(p)[1:] for p in pieces]
+        assert bounds[0][0] == 0 and bounds[-1][1] == named[n][0] and len(pieces) >= 2
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+        assert [plan.shapes[plan.names.index(p)] for p in pieces] == [
+            (b - a, *named[n][1:]) for a, b in bounds
+        ]
+        assert len({plan.coords(plan.slot(p))[0] for p in pieces}) == len(pieces) <= shards
+    for n in units:
         o = plan.owner(n)
         if reps == 1:
             assert o == plan.slot(n) and 0 <= o < world
@@ -133,6 +145,10 @@ def test_every_parameter_has_exactly_one_owner_in_range(named, shards, reps):
             shard, rep = o
             assert 0 <= shard < shards and 0 <= rep < reps
             assert n in owned_by(plan, (shard, rep)) and rep * shards + shard == plan.slot(n)
+        assert (
+            plan.layers[plan.names.index(n)]
+            == layer_keys(named)[parse_piece(n)[0] if n not in named else n]
+        )
     for s in range(world):
         mine = [i for i, x in enumerate(plan.slots) if x == s]
         assert plan.slot_loads[s] == math.fsum(plan.costs[i] for i in mine)
@@ -263,10 +279,10 @@ def test_refinement_never_raises_the_maximum(costs, S, data):
 @PROPS
 @given(models(), st.integers(1, 12))
 def test_refined_plan_never_above_plain_lpt(named, world):
-    plain = max_load(partition(named, world, refine=False))
-    assert max_load(partition(named, world, spread_tolerance=0.0)) <= plain
+    plain = max_load(partition(named, world, refine=False, slices=False))
+    assert max_load(partition(named, world, spread_tolerance=0.0, slices=False)) <= plain
     tol = _lpt.SPREAD_TOLERANCE
-    assert max_load(partition(named, world)) <= (1 + tol) * plain * (1 + 1e-12)
+    assert max_load(partition(named, world, slices=False)) <= (1 + tol) * plain * (1 + 1e-12)
 
 
 # ---------------------------------------------------------------- layers, spreading, packing
@@ -367,7 +383,7 @@ def test_op_computes_the_planners_schedule(named, shards, reps):
     mats = {k: v for k, v in named.items() if len(v) >= 2}
     if not mats:
         return
-    plan = partition(mats, shards * reps, replicate_size=reps)
+    plan = partition(mats, shards * reps, replicate_size=reps, slices=False)  # the scheduler's
     keys = sorted(set(plan.layers))
     out = torch.ops.dmuon.lpt_partition(
         torch.tensor(plan.costs, dtype=torch.float64), shards * reps,

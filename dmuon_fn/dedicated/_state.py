@@ -53,11 +53,17 @@ class Entry:
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
     device: torch.device  # param's: compiled hooks read this, never `param`
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
+    offset: int = 0  # a piece (planning/_slices.py): its first index along its parameter's dim 0
+    whole: torch.Size | None = None  # a piece: its parameter's shape
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
     handles: list[Tensor] = field(default_factory=list)  # one per Slot; backward sets its .grad
 
     is_matrix = property(lambda self: len(self.shape) >= 2)
-    full_shape = property(lambda self: self.shape if self.tp is None else self.tp.full_shape)
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The whole parameter's shape (`shape` is a piece's or a tensor rank's part of it)."""
+        return self.tp.full_shape if self.tp is not None else self.whole or self.shape
 
     @property
     def touched(self) -> bool:
@@ -122,7 +128,7 @@ class DedicatedState:
     tensor: TensorMesh | None = None  # the tensor-parallel ranks
     entries: list[Entry] = field(default_factory=list)
     by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
-    scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_dedicate.install
+    scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_hooks.install
 
     plan = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)

@@ -16,6 +16,7 @@ from ..ns._blocks import Blocks, model_blocks
 from ..ns._dispatch import agreed_aspect, gram_min_aspect
 from ..planning._check import check_plan_consistent
 from ..planning._partition import RankView, partition
+from ..planning._slices import parse_piece
 from ..planning._summary import PlanSummary, plan_summary
 
 
@@ -36,9 +37,31 @@ class FnPlan:
     partition = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)
     replicate_size = property(lambda self: self.view.plan.replicate_size)
-    route = property(lambda self: self.view.route)
-    is_local_owner = property(lambda self: self.view.is_local_owner)
-    is_global_owner = property(lambda self: self.view.is_global_owner)
+    route = property(lambda self: self.view.route)  # of a plan name (a parameter or a piece)
+
+    def is_local_owner(self, name: str) -> bool:
+        """Whether this rank holds parameter `name` (a sliced one: a piece) between steps."""
+        return self.view.held(name) is not None
+
+    def is_global_owner(self, name: str) -> bool:
+        """Whether this rank updates (what it holds of) parameter `name`."""
+        held = self.view.held(name)
+        return held is not None and self.view.is_global_owner(held)
+
+    def pieces(self, names) -> list[tuple[str, str, int, int]]:
+        """(parameter, plan name, start, stop) of every piece of `names` in order, a parameter
+        not sliced being its one piece [0, its dim 0)."""
+        out = []
+        for n in names:
+            ps = self.partition.pieces(n)
+            whole = (n, n, 0, self.shape(n)[0] if self.shape(n) else 1)
+            out += [whole] if len(ps) == 1 else [(n, p, *parse_piece(p)[1:]) for p in ps]
+        return out
+
+    def held_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of what this rank holds of parameter `name` ((0,) if nothing)."""
+        held = self.view.held(name)
+        return (0,) if held is None else self.partition.shapes[self.partition._index(held)]
 
     def compute(self, t: torch.Tensor) -> torch.Tensor:
         """A held value (master or placeholder) as it is gathered: in `param_dtype`."""

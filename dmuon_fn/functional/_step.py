@@ -46,7 +46,13 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
     params, opt = {}, {}
     named = dict(model.named_parameters())
     for name in fn_plan.names:
-        params[name] = local = _held(named[name].detach(), name, fn_plan)
+        whole, pieces = named[name].detach(), fn_plan.pieces([name])
+        held = [
+            whole[a:b]
+            for _, p, a, b in pieces
+            if len(pieces) > 1 and fn_plan.view.is_local_owner(p)
+        ]
+        params[name] = local = _held(held[0] if held else whole, name, fn_plan)
         like = local if fn_plan.is_global_owner(name) else local.new_empty(0)
         kind = "muon" if name in fn_plan.muon else "adamw"
         opt[name] = init_state(kind, like, config.state_dtype)
@@ -155,10 +161,10 @@ def update(
     if p_.replicate_size > 1 and mine:
         # one publish over the replicate group (its ranks hold the same `mine`), after the step's
         # other collectives on that group: else a rank that updates nothing leaves them unordered
-        routes = [(r[3], r[4], r[5], 0, 1, 1) for r in map(p_.route, mine)]
+        routes = [(r[3], r[4], r[5], 0, 1, 1) for r in (p_.route(p_.view.held(n)) for n in mine)]
         values = [p_.compute(params[n]) for n in mine]
         outs = torch.ops.dmuon.owner_broadcast(
-            *_entries(values, [p_.shape(n) for n in mine], routes),
+            *_entries(values, [p_.held_shape(n) for n in mine], routes),
             p_.rep_group,
             after=[grads[n] for n in p_.names] + [x for x in (sq, maxes) if x is not None],
         )
@@ -204,36 +210,67 @@ def _entries(values, rows, routes, token=None):
     return values, _flat(rows), [len(s) for s in rows], _flat(routes)
 
 
-def _local_rows(names, fn_plan) -> list[tuple[int, ...]]:
-    """Each reduced gradient's shape here: the parameter's on a local owner, else (0,)."""
-    return [fn_plan.shape(n) if fn_plan.is_local_owner(n) else (0,) for n in names]
+def _full_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
+    """Each piece's shape (a parameter not sliced: its own)."""
+    return [fn_plan.partition.shapes[fn_plan.partition._index(p)] for _, p, _, _ in pieces]
 
 
-def _by_name(names, outs, token):
-    """(name -> the op's output, the next token: None without one)."""
-    return dict(zip(names, outs[: len(names)], strict=True)), (None if token is None else outs[-1])
+def _local_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
+    """Each piece's reduced gradient's shape here: the piece's on its local owner, else (0,)."""
+    rows = _full_rows(pieces, fn_plan)
+    held = [fn_plan.view.is_local_owner(p) for _, p, _, _ in pieces]
+    return [r if h else (0,) for r, h in zip(rows, held, strict=True)]
+
+
+def _joined(pieces, outs, fn_plan, gathered: bool) -> dict[str, torch.Tensor]:
+    """Per parameter, from its pieces' outputs (a token after them ignored): gathered, their
+    concatenation along dim 0; reduced, the one this rank holds (else the first, 0-size)."""
+    by: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for (n, p, _, _), out in zip(pieces, outs[: len(pieces)], strict=True):
+        by.setdefault(n, []).append((p, out))
+    if gathered:
+        return {n: v[0][1] if len(v) == 1 else torch.cat([o for _, o in v]) for n, v in by.items()}
+    held = fn_plan.view.is_local_owner
+    return {n: next((o for p, o in v if held(p)), v[0][1]) for n, v in by.items()}
+
+
+def _by_name(pieces, outs, fn_plan, token, gathered: bool):
+    """(name -> its output, the next token: None without one)."""
+    return _joined(pieces, outs, fn_plan, gathered), (None if token is None else outs[-1])
 
 
 def _gather(params, names, fn_plan, token=None, after=None, start=False):
-    """Parameters `names` in full on every shard rank, in one op: ({name: full}, next token or
-    None); start: only issue it and return its ticket (for dmuon::collective_wait)."""
-    rows, routes = [fn_plan.shape(n) for n in names], [fn_plan.route(n) for n in names]
-    args = _entries([fn_plan.compute(params[n]) for n in names], rows, routes, token)
+    """Parameters `names` in full on every shard rank, in one op (a piece per owner entry):
+    ({name: full}, next token or None); start: only issue it and return its ticket (for
+    dmuon::collective_wait)."""
+    pieces = fn_plan.pieces(names)
+    values = [  # what this rank holds of each piece (0-size: none of it)
+        fn_plan.compute(params[n] if fn_plan.view.is_local_owner(p) else params[n][:0])
+        for n, p, _, _ in pieces
+    ]
+    routes = [fn_plan.route(p) for _, p, _, _ in pieces]
+    args = _entries(values, _full_rows(pieces, fn_plan), routes, token)
     op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
     outs = op(*args, fn_plan.group, after=after)
-    return outs if start else _by_name(names, outs, token)
+    return outs if start else _by_name(pieces, outs, fn_plan, token, gathered=True)
 
 
 def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
-    """Gradients of `names` -> the data-parallel mean on each global owner, zeros shaped like
-    the local slot elsewhere, in one op; token and start as `_gather`'s."""
-    values, routes = [fn_plan.summed(grads[n]) for n in names], [fn_plan.route(n) for n in names]
-    entries = _entries(values, _local_rows(names, fn_plan), routes, token)
+    """Gradients of `names` -> the data-parallel mean on each global owner (of each piece),
+    zeros shaped like the local slot elsewhere, in one op; token and start as `_gather`'s."""
+    pieces = fn_plan.pieces(names)
+    values = [
+        fn_plan.summed(grads[n].narrow(0, a, b - a) if p != n else grads[n])
+        for n, p, a, b in pieces
+    ]
+    routes = [fn_plan.route(p) for _, p, _, _ in pieces]
+    entries = _entries(values, _local_rows(pieces, fn_plan), routes, token)
     scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)
     args = (*entries, fn_plan.group, fn_plan.rep_group, scale)
     if start:
         return torch.ops.dmuon.two_stage_reduce_start(*args, after=after)
-    return _by_name(names, torch.ops.dmuon.two_stage_reduce(*args), token)
+    outs = torch.ops.dmuon.two_stage_reduce(*args)
+    return _by_name(pieces, outs, fn_plan, token, gathered=False)
 
 
 def _vjp(fn: StageFn, full, x, batch):
@@ -283,26 +320,28 @@ class _Overlapped:
 
     def gathered(self, handle, after):
         ticket, names = handle
-        likes = [self.like[n] for n in names]
-        return self._wait(ticket, likes, [self.plan.shape(n) for n in names], names, after)
+        pieces = self.plan.pieces(names)
+        likes = [self.like[n] for n, _, _, _ in pieces]
+        outs = self._wait(ticket, likes, _full_rows(pieces, self.plan), after)
+        return _joined(pieces, outs, self.plan, gathered=True)
 
     def start_reduce(self, g_full, names):
         self.chain = _reduce(g_full, names, self.plan, after=[self.chain], start=True)
-        return self.chain, names, [self.plan.summed(g_full[n].new_empty(0)) for n in names]
+        pieces = self.plan.pieces(names)
+        return self.chain, pieces, [self.plan.summed(g_full[n].new_empty(0)) for n, *_ in pieces]
 
     def reduced(self, handle, last: bool):
-        ticket, names, likes = handle
+        ticket, pieces, likes = handle
         after = self.landed if last else [self.chain, *self.landed]
-        out = self._wait(ticket, likes, _local_rows(names, self.plan), names, after)
-        self.landed = list(out.values())
-        return out
+        outs = self._wait(ticket, likes, _local_rows(pieces, self.plan), after)
+        self.landed = list(outs)
+        return _joined(pieces, outs, self.plan, gathered=False)
 
     @staticmethod
-    def _wait(ticket, likes, rows, names, after):
-        """The results behind `ticket` by name; `likes[i]` has output i's dtype and device."""
+    def _wait(ticket, likes, rows, after):
+        """The results behind `ticket`; `likes[i]` has output i's dtype and device."""
         ndims = [len(r) for r in rows]
-        outs = torch.ops.dmuon.collective_wait(ticket, likes, _flat(rows), ndims, after=after)
-        return dict(zip(names, outs, strict=True))
+        return torch.ops.dmuon.collective_wait(ticket, likes, _flat(rows), ndims, after=after)
 
 
 def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):

@@ -8,6 +8,7 @@ too (master, state, update)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import operator
@@ -21,6 +22,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method
+from ._slices import cuts, piece_name, spread_columns
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
 FLOPS_PER_BYTE = 1024.0
@@ -75,6 +77,9 @@ class Plan:
     layouts: tuple[str, ...] = ()
     # per parameter: how it is made of matrices (None when elementwise)
     blocks: tuple[Blocks | None, ...] = ()
+    # (parameter, its pieces' names in order along dim 0) per sliced parameter, by name; the
+    # pieces stand in `names` for the parameter (planning/_slices.py)
+    sliced: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def shard_size(self) -> int:
@@ -105,13 +110,21 @@ class Plan:
         """`label` of `name`'s owner slot."""
         return self.label(self.slot(name))
 
+    def pieces(self, name: str) -> tuple[str, ...]:
+        """The plan names holding parameter `name`: its pieces if it is sliced, else (name,)."""
+        for n, ps in self.sliced:
+            if n == name:
+                return ps
+        return (name,)
+
     def tensor_slot(self, name: str) -> int:
         """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP)."""
         return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
     def blocks_of(self, name: str) -> Blocks | None:
-        """How `name` is made of matrices (None: elementwise; a plan without: one matrix)."""
-        return self.blocks[self._index(name)] if self.blocks else Blocks()
+        """How `name` (a parameter or a piece) is made of matrices (None: elementwise; a plan
+        without: one matrix)."""
+        return self.blocks[self._index(self.pieces(name)[0])] if self.blocks else Blocks()
 
     def canonical(self) -> str:
         """The JSON `digest` hashes: sizes and (name, shape, slot) in name order; with tensor
@@ -190,6 +203,7 @@ def partition(
     tensor_size: int = 1,
     layouts: Mapping[str, str] | None = None,
     blocks: Mapping[str, Blocks | str] | None = None,
+    slices: bool = True,
 ) -> Plan:
     """One owner slot per parameter of `named_shapes` ({name: shape} or pairs), costs balanced.
 
@@ -205,6 +219,9 @@ def partition(
     blocks: {name: `Blocks` or its string} for matrices that are more than one 2-D matrix (MoE
         experts, fused qkv, heads; ns/_blocks.py); default: a 3+-D parameter is a batch of
         matrices over its leading dims (pass "flatten" for conv weights), a 2-D one one matrix.
+    slices: a batch of matrices costing more than a slot's fair share (the mean load) is cut
+        along its leading dim into pieces `name[a:b]` on distinct shard columns (`Plan.sliced`);
+        False: every parameter whole (as always under tensor parallelism).
     """
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
@@ -233,12 +250,36 @@ def partition(
     nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
     specs = _specs(names, shapes, matrix, blocks or {})
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
-    ns = [
-        math.fsum(k * ns_flops(mn, **ns_kw, min_aspect=gram_min_aspect) for k, mn in shapes_of)
-        for shapes_of in (
-            block_shapes(b, sh) if b else () for b, sh in zip(specs, shapes, strict=True)
-        )
-    ]
+
+    def ns_of(spec: Blocks | None, shape: tuple[int, ...]) -> float:
+        pairs = block_shapes(spec, shape) if spec else ()
+        return math.fsum(k * ns_flops(mn, **ns_kw, min_aspect=gram_min_aspect) for k, mn in pairs)
+
+    def cost_of(spec: Blocks | None, shape: tuple[int, ...]) -> float:
+        return ns_of(spec, shape) + flops_per_byte * math.prod(shape) * bytes_per_elem
+
+    sliced: dict[str, tuple[str, ...]] = {}
+    if slices and world_size // replicate_size > 1 and tensor_size == 1 and layouts is None:
+        costs = [cost_of(b, sh) for b, sh in zip(specs, shapes, strict=True)]
+        mean = math.fsum(costs) / world_size
+        rows = []
+        for n, sh, m, b, c in zip(names, shapes, matrix, specs, costs, strict=True):
+            at = cuts(c, mean, sh[0], world_size // replicate_size) if b and b.batch else [0, 1]
+            if len(at) > 2:
+                sliced[n] = tuple(piece_name(n, a, z) for a, z in itertools.pairwise(at))
+            rows += (
+                [(n, sh, m, b)]
+                if len(at) == 2
+                else [
+                    (piece_name(n, a, z), (z - a, *sh[1:]), m, b) for a, z in itertools.pairwise(at)
+                ]
+            )
+        rows.sort(key=lambda r: r[0])
+        parent = {p: n for n, ps in sliced.items() for p in ps}
+        keys = {p: keys[parent.get(p, p)] for p, *_ in rows}
+        names, shapes, matrix, specs = (tuple(col) for col in zip(*rows, strict=True))
+        nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
+    ns = [ns_of(b, sh) for b, sh in zip(specs, shapes, strict=True)]
     costs = [f + flops_per_byte * math.prod(shapes[i]) * bytes_per_elem for i, f in enumerate(ns)]
 
     # Units in order of their first name: each matrix alone, a layer's other params together.
@@ -257,11 +298,15 @@ def partition(
         spread_tolerance=spread_tolerance,
     )
     slots = [0] * len(names)
-    loads: list[list[float]] = [[] for _ in range(world_size)]
     for u, s in zip(units, u_slot, strict=True):
-        loads[s] += [costs[i] for i in u]  # fsum'd: exact in any order
         for i in u:
             slots[i] = s
+    index = {n: i for i, n in enumerate(names)}
+    pieces = [[index[p] for p in ps] for ps in sliced.values()]
+    spread_columns(pieces, slots, costs, world_size, world_size // replicate_size)
+    loads: list[list[float]] = [[] for _ in range(world_size)]
+    for i, s in enumerate(slots):
+        loads[s].append(costs[i])  # fsum'd: exact in any order
 
     tensor_slots, layout = [], ()
     if tensor_size > 1 or layouts is not None:
@@ -285,6 +330,7 @@ def partition(
         tensor_slots=tuple(tensor_slots),
         layouts=layout,
         blocks=tuple(specs),
+        sliced=tuple(sorted(sliced.items())),
     )
 
 
@@ -331,6 +377,11 @@ class RankView:
 
     def is_global_owner(self, name: str) -> bool:
         return self.coords(name) == (self.shard_rank, self.replica_rank)
+
+    def held(self, name: str) -> str | None:
+        """The plan name of what this rank holds of parameter `name` between steps as a local
+        owner (the parameter, or its piece on this shard column), else None."""
+        return next((p for p in self.plan.pieces(name) if self.is_local_owner(p)), None)
 
     def route(self, name: str) -> tuple[int, int, int, int, int, int]:
         """The ints the collective ops take: (owner shard, is local owner, shard size, owner

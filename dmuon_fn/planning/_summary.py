@@ -58,6 +58,7 @@ class PlanSummary:
     largest_ns_flops: float
     gemm_flops: float | None = None  # FLOP/s of one device's GEMM
     tensor_size: int = 1  # tensor-parallel ranks per slot: the job has world_size · this ranks
+    sliced: tuple[tuple[str, int], ...] = ()  # (parameter, its pieces) per sliced parameter
 
     @property
     def busiest_ns_flops(self) -> float:
@@ -116,6 +117,7 @@ class PlanSummary:
             "busiest_seconds": self.busiest_seconds,
             "bound_seconds": self.bound_seconds,
             "slots": [dataclasses.asdict(r) for r in self.slots],
+            "sliced": self.sliced,
         }
         return json.loads(json.dumps(d))  # every tuple a list
 
@@ -182,6 +184,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         **_largest(plan, [i for i, m in enumerate(plan.matrix) if m]),
         gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
+        sliced=tuple((n, len(ps)) for n, ps in plan.sliced),
     )
 
 
@@ -232,11 +235,18 @@ def _render(s: PlanSummary) -> list[str]:
         ranks = f"{S} data slot{'s' if S > 1 else ''}{mesh} x {T} tensor ranks = {S * T} ranks"
     tdiv, tunit = _scaled(s.total_bytes, "B", binary=True)
     n_matrices = sum(len(r.matrices) for r in s.slots)
-    n_params = n_matrices + sum(r.others for r in s.slots)
+    n_pieces = sum(k for _, k in s.sliced)
+    n_params = n_matrices + sum(r.others for r in s.slots) - n_pieces + len(s.sliced)
     lines = [
         f"dmuon plan: {ranks}, {n_params} params, "
         f"{s.total_bytes / tdiv:.4g} {tunit} of fp32 masters"
     ]
+    if s.sliced:
+        name, k = max(s.sliced, key=lambda x: x[1])
+        lines.append(
+            f"sliced: {len(s.sliced)} batch{'es' if len(s.sliced) > 1 else ''} of matrices into "
+            f"{n_pieces} pieces on distinct shard columns (the most: {k} pieces of {name})"
+        )
     fdiv, funit = _scaled(max(s.busiest_ns_flops, 1.0), "FLOP")
 
     def f(x: float) -> str:
@@ -244,7 +254,7 @@ def _render(s: PlanSummary) -> list[str]:
 
     if s.total_ns_flops:
         lines += [
-            f"Newton-Schulz per step: {n_matrices} matrices, "
+            f"Newton-Schulz per step: {n_matrices} {'units' if s.sliced else 'matrices'}, "
             f"{f(s.total_ns_flops)} in all, {f(s.mean_ns_flops)} mean per rank",
             f"busiest rank {s.busiest}{' (its busiest tensor rank)' if T > 1 else ''}: "
             f"{f(s.busiest_ns_flops)}, {s.imbalance:.2f}x the mean, "

@@ -207,8 +207,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "functional checkpoint load drops AdamW's step count",
         "dmuon_fn/_checkpoint.py",
-        'sd.update({f"optim.{n}.{k}": v for k, v in items.items()})',
-        'sd.update({f"optim.{n}.{k}": v.clone() if load and k == "step" else v'
+        'sd.update({f"optim.{n}.{k}": part(v) for k, v in items.items()})',
+        'sd.update({f"optim.{n}.{k}": v.clone() if load and k == "step" else part(v)'
         " for k, v in items.items()})",
         (CKPT, CKPT_V1),
     ),
@@ -258,7 +258,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "a forward that raises keeps its saved-tensor hooks",
-        "dmuon_fn/dedicated/_dedicate.py",
+        "dmuon_fn/dedicated/_hooks.py",
         "            saver.leave()  # a no-op unless the last forward raised",
         "            pass",
         (T + "test_compile_blocks.py::test_a_forward_that_raises_leaves_no_trace",),

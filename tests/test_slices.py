@@ -1,0 +1,334 @@
+"""Slices: an expert tensor too costly for one owner is cut along its expert dim into pieces owned
+by different ranks (planning/_slices.py). The planner's invariants, then both faces on a model
+with 3-D experts (gate/up blocks per expert), a fused qkv (GQA sizes) and per-head q/k, each
+compared with a single process stepping the same global batch with `muon_update(..., blocks=)`
+(checked against per-piece Muon in tests/test_update_blocks.py), fp32 Newton-Schulz; and
+checkpoints of a sliced model re-planned on another world size."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon_fn as dmuon
+from dmuon_fn import MuonState, NSConfig, muon_update
+from dmuon_fn.planning._partition import partition
+from dmuon_fn.planning._slices import cuts, parse_piece, piece_name
+from tests._dist import run_ranks
+from tests._models import full_params
+
+E, D = 4, 16
+BLOCKS = {  # per-head q (4 heads) and k (2 heads), fused qkv with GQA sizes, gate/up per expert
+    "*.attn.qkv.weight": "rows=16+8+8",
+    "*.attn.q.weight": "rows/4",
+    "*.attn.k.weight": "rows/2",
+    "*.experts_gate_up": "batch1,rows=16+16",
+}
+STEPS, LR, WORLD_BATCH = 3, 0.05, 8
+EXPERTS = ("layers.0.experts_gate_up", "layers.1.experts_gate_up")
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.ModuleDict(
+            {"qkv": nn.Linear(D, 32, bias=False), "q": nn.Linear(D, D, bias=False),
+             "k": nn.Linear(D, 8, bias=False)}
+        )  # fmt: skip
+        self.experts_gate_up = nn.Parameter(torch.randn(E, 2 * D, D) * 0.2)  # (E, gate+up, in)
+        self.experts_down = nn.Parameter(torch.randn(E, D, D) * 0.2)  # (E, out, in)
+        self.router = nn.Linear(D, E, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.attn["qkv"](x).split([16, 8, 8], dim=-1)
+        h = x + 0.5 * (q * torch.cat([k, v], -1).tanh() + self.attn["q"](x)) * 0.5
+        h = h + torch.cat([self.attn["k"](x)] * 2, -1).tanh()
+        w = self.router(h).softmax(-1)  # (b, E): every expert weighted, dense
+        gu = torch.einsum("bi,eoi->beo", h, self.experts_gate_up)
+        gate, up = gu.split(D, dim=-1)
+        y = torch.einsum("beo,eio->bei", torch.nn.functional.silu(gate) * up, self.experts_down)
+        return h + (w[..., None] * y).sum(1)
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.head = nn.Linear(D, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _model() -> MoENet:
+    torch.manual_seed(0)
+    return MoENet()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(WORLD_BATCH, D, generator=g), torch.randn(WORLD_BATCH, 4, generator=g)
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _spec(name: str) -> str:
+    hit = [v for k, v in BLOCKS.items() if name.endswith(k[1:])]
+    return hit[0] if hit else ("batch1" if "experts" in name else "matrix")
+
+
+def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """One process, the whole batch, `muon_update` per whole parameter with its blocks."""
+    model = _model()
+    params = dict(model.named_parameters())
+    state = {n: MuonState(torch.zeros_like(p)) for n, p in params.items()}
+    ns = NSConfig(dtype=torch.float32)
+    for step in range(steps):
+        grads = torch.autograd.grad(_loss(model, *_batch(step)), list(params.values()))
+        with torch.no_grad():
+            for (n, p), g in zip(params.items(), grads, strict=True):
+                new, state[n] = muon_update(
+                    p, g, state[n], lr=LR, weight_decay=0.0, ns=ns, blocks=_spec(n)
+                )
+                p.copy_(new)
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _close(got: dict, want: dict) -> None:
+    init = _model().state_dict()
+    for n, w in want.items():
+        err = (got[n].float() - w).norm() / (w - init[n]).norm()
+        assert err < 1e-4, (n, float(err))
+
+
+def _meshes(world: int, hsdp: bool):
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        return mesh["shard"], mesh["replicate"]
+    return init_device_mesh("cpu", (world,)), None
+
+
+def _owners(plan) -> dict[str, set]:
+    return {n: {plan.owner(p) for p in ps} for n, ps in plan.sliced}
+
+
+# ---------------------------------------------------------------- the planner
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.0, 1e9), st.floats(0.0, 1e9), st.integers(1, 300), st.integers(1, 64))
+def test_cuts_are_near_equal_and_at_most_one_per_column(cost, mean, length, columns):
+    at = cuts(cost, mean, length, columns)
+    k = len(at) - 1
+    assert at[0] == 0 and at[-1] == length and 1 <= k <= min(length, columns)
+    sizes = [b - a for a, b in itertools.pairwise(at)]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    if k > 1:  # cut only what costs more than a fair share, into pieces of about a share
+        assert 0 < mean < cost and k - 1 < cost / mean  # k <= ⌈cost / mean⌉
+
+
+def test_piece_names_round_trip_and_reject_other_names():
+    assert parse_piece(piece_name("a.b[0:1].w", 8, 16)) == ("a.b[0:1].w", 8, 16)
+    for bad in ("a.w", "a.w[1:]", "a.w[01:3]", "a.w[2:0]"):
+        with pytest.raises(ValueError, match="not a piece name"):
+            parse_piece(bad)
+
+
+@pytest.mark.parametrize(("world", "reps"), [(4, 1), (4, 2), (8, 2), (64, 1)])
+def test_the_expert_tensors_are_sliced_over_distinct_columns(world, reps):
+    shapes = {n: tuple(p.shape) for n, p in _model().named_parameters()}
+    plan = partition(shapes, world, replicate_size=reps, blocks=BLOCKS_PLAIN)
+    sliced = dict(plan.sliced)
+    assert set(EXPERTS) <= set(sliced)
+    for n, ps in sliced.items():
+        cols = [plan.coords(plan.slot(p))[0] for p in ps]
+        assert len(set(cols)) == len(cols) >= 2
+        assert str(plan.blocks_of(n)) == str(plan.blocks_of(ps[0])) == _spec(n)
+    whole = partition(shapes, world, replicate_size=reps, blocks=BLOCKS_PLAIN, slices=False)
+    assert not whole.sliced and max(plan.slot_loads) <= max(whole.slot_loads)
+    if world // reps > 4:  # four expert tensors: slices beat whole ones on more columns
+        assert max(plan.slot_loads) < max(whole.slot_loads)
+
+
+BLOCKS_PLAIN = {f"layers.{i}.{k[2:]}": v for k, v in BLOCKS.items() for i in range(2)}
+
+
+def test_no_slices_on_one_shard_column_or_for_a_single_matrix():
+    shapes = {"e": (8, 64, 64), "w": (512, 512), "n": (4,)}
+    assert not partition(shapes, 4, replicate_size=4).sliced  # one shard column
+    assert partition(shapes, 4).sliced == ()  # `w` dominates and is one matrix
+    assert dict(partition({"e": (8, 64, 64)}, 4).sliced)["e"] == tuple(
+        piece_name("e", a, a + 2) for a in range(0, 8, 2)
+    )
+    plan = partition({"e": (8, 64, 64)}, 4)
+    assert plan.digest() != partition({"e": (8, 64, 64)}, 4, slices=False).digest()
+
+
+# ---------------------------------------------------------------- the object API
+
+
+def _object(rank: int, world: int, hsdp: bool, z3: bool, compiled: bool) -> dict:
+    shard, rep = _meshes(world, hsdp)
+    model = _model()
+    owners = dmuon.dedicate_params(
+        model, shard, replicate_mesh=rep, pure=True, blocks=BLOCKS, reshard_after_forward=z3
+    )
+    if compiled:
+        torch._dynamo.reset()
+        for i, layer in enumerate(model.layers):
+            model.layers.register_module(str(i), torch.compile(layer, fullgraph=True))
+    plan = model._dmuon_state.plan
+    opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
+    per = WORLD_BATCH // world
+    for step in range(STEPS):
+        x, y = _batch(step)
+        _loss(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_publish()
+    held = {e.name: tuple(e.param.shape) for e in model._dmuon_state.entries if e.param.numel()}
+    return {
+        "owners": owners,
+        "sliced": _owners(plan),
+        "held": held,
+        "params": full_params(model, cast=False),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("hsdp", "z3", "compiled"),
+    [(False, False, False), (False, True, False), (True, False, False), (True, True, False),
+     (False, True, True)],
+)  # fmt: skip
+def test_object_api_steps_sliced_experts_like_one_process(hsdp, z3, compiled):
+    want = reference()
+    results = run_ranks(_object, 4, hsdp, z3, compiled)
+    for r in results:
+        _close(r["params"], want)
+        for n in EXPERTS:  # one expert tensor's slices on two or more owners
+            assert len(r["sliced"][n]) >= 2, r["sliced"]
+            pieces = [p for p in r["owners"] if p.startswith(n + "[")]
+            assert len(pieces) >= 2
+    for n in EXPERTS:  # no rank holds all experts; each holds at most one piece of a tensor
+        for r in results:
+            mine = [p for p in r["held"] if p.startswith(n + "[")]
+            assert len(mine) <= 1 and all(r["held"][p][0] < E for p in mine)
+
+
+# ---------------------------------------------------------------- the functional API
+
+
+def _functional(rank: int, world: int, hsdp: bool, staged: bool) -> dict:
+    shard, rep = _meshes(world, hsdp)
+    model = _model()
+    fp = dmuon.plan(model, shard, replicate_mesh=rep, blocks=BLOCKS)
+    cfg = dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
+    state = dmuon.init(model, fp, cfg)
+    per = WORLD_BATCH // world
+    if staged:
+        names = [n for n, _ in model.named_parameters()]
+
+        def stage(i):
+            mine = [n for n in names if n.startswith(f"layers.{i}.")]
+
+            def fn(params, x, batch):
+                x = batch[0] if x is None else x
+                sub = {n.split(".", 2)[2]: params[n] for n in mine}
+                return torch.func.functional_call(model.layers[i], sub, (x,))
+
+            return mine, fn
+
+        def last(params, x, batch):
+            return ((x @ params["head.weight"].T - batch[1]) ** 2).mean()
+
+        vg = dmuon.value_and_grad([stage(0), stage(1), (["head.weight"], last)], fp)
+        step = lambda state, batch: dmuon.update(vg(state.params, batch)[1], state)  # noqa: E731
+    else:
+
+        def loss_fn(params, batch):
+            x, y = batch
+            return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean()
+
+        vg = dmuon.value_and_grad(loss_fn, fp)
+        torch._dynamo.reset()
+        step = torch.compile(
+            lambda state, batch: dmuon.update(vg(state.params, batch)[1], state),
+            fullgraph=True,
+            backend="aot_eager",
+        )
+    for i in range(STEPS):
+        x, y = _batch(i)
+        state = step(state, (x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    return {"params": dmuon.full_params(state), "sliced": _owners(fp.partition)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("hsdp", "staged"), [(False, False), (True, False), (False, True)])
+def test_functional_steps_sliced_experts_like_one_process(hsdp, staged):
+    want = reference()
+    for r in run_ranks(_functional, 4, hsdp, staged):
+        assert all(len(r["sliced"][n]) >= 2 for n in EXPERTS)
+        _close(r["params"], want)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _checkpoint(rank: int, world: int, path: str, save: bool) -> dict:
+    shard = init_device_mesh("cpu", (world,))
+    model = _model()
+    dmuon.dedicate_params(model, shard, pure=True, blocks=BLOCKS)
+    opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
+    per = WORLD_BATCH // world
+
+    def train(steps):
+        for step in steps:
+            x, y = _batch(step)
+            lo, hi = rank * per, (rank + 1) * per
+            _loss(model, x[lo:hi], y[lo:hi]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    if save:
+        train(range(2))
+        dmuon.save_checkpoint(path, model, opt)
+    else:
+        dmuon.load_checkpoint(path, model, opt)
+    loaded = full_params(model, cast=False)
+    momentum = full_params(model, get=lambda p: opt.state[p]["momentum_buffer"], cast=False)
+    train(range(2, STEPS))
+    opt.wait_publish()
+    return {
+        "loaded": loaded,
+        "momentum": momentum,
+        "params": full_params(model, cast=False),
+        "pieces": dict(model._dmuon_state.plan.sliced),
+    }
+
+
+@pytest.mark.slow
+def test_a_sliced_checkpoint_resumes_on_4_and_replans_on_2(tmp_path):
+    path = str(Path(tmp_path, "moe"))
+    (saved, *_) = run_ranks(_checkpoint, 4, path, True)
+    (same, *_) = run_ranks(_checkpoint, 4, path, False)
+    (two, *_) = run_ranks(_checkpoint, 2, path, False)
+    assert two["pieces"] != saved["pieces"]  # re-planned: other cuts
+    for n, v in saved["params"].items():  # 4 -> 4: the resumed run is the uninterrupted one
+        assert torch.equal(same["params"][n], v), n
+    for r in (same, two):
+        for n in saved["loaded"]:
+            assert torch.equal(r["loaded"][n], saved["loaded"][n]), n
+            assert torch.equal(r["momentum"][n], saved["momentum"][n]), n
+    _close(two["params"], reference())
