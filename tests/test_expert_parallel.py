@@ -6,7 +6,9 @@ The model: a plain input projection and router (whole copies on every expert ran
 `gate_up` (E, 2F, D), read as "batch1,rows=F+F", and `down` (E, D, F), the default batch, both
 Shard(0) over 'ep' with E = 3 (uneven: 2 + 1 experts), a column-parallel head (rows split over
 'ep', exchanged as any tensor-parallel matrix) and a LayerNorm (FSDP2, AdamW). The reference is
-one process running plain Muon per expert block (tests/_models.reference).
+one process running plain Muon per expert block (tests/_models.reference). Also: HSDP + EP,
+checkpoints across expert-parallel degrees, an expert rank holding no expert, the refusals, and
+the plan's tensor slots and per-rank shares.
 """
 
 from __future__ import annotations
@@ -136,14 +138,21 @@ def _matrices(name: str, p) -> bool:
 PREDICATES = {"all": _matrices, "experts": _experts_only}
 
 
-def _setup(world, which, z3, T=2, n=E):
-    """The model of `n` experts on a (dp, ep T) mesh of `world` ranks, dedicated and sharded, and
-    its Muon."""
-    mesh = init_device_mesh("cpu", (world // T, T), mesh_dim_names=("dp", "ep"))
-    model = parallelize(MoE(n), mesh["ep"])
+def _setup(world, which, z3, T=2, n=E, hsdp=False):
+    """The model of `n` experts on a (dp, ep T) mesh of `world` ranks (hsdp: (replicate 2,
+    shard, ep T)), dedicated and sharded, and its Muon."""
     kw = dict(blocks=BLOCKS, reshard_after_forward=z3)
-    dmuon.dedicate_params(model, mesh["dp"], PREDICATES[which], **kw)
-    fully_shard(model, mesh=mesh["dp"])
+    if hsdp:
+        names = ("replicate", "shard", "ep")
+        mesh = init_device_mesh("cpu", (2, world // 2 // T, T), mesh_dim_names=names)
+        shard, data = mesh["shard"], mesh["replicate", "shard"]
+        kw["replicate_mesh"] = mesh["replicate"]
+    else:
+        mesh = init_device_mesh("cpu", (world // T, T), mesh_dim_names=("dp", "ep"))
+        shard = data = mesh["dp"]
+    model = parallelize(MoE(n), mesh["ep"])
+    dmuon.dedicate_params(model, shard, PREDICATES[which], **kw)
+    fully_shard(model, mesh=data)
     return model, muon_fp32(model)
 
 
@@ -156,9 +165,9 @@ def _steps(model, opt, steps, rank, world, T=2, comm=None):
     opt.wait_publish()
 
 
-def _train(rank, world, which, z3):
+def _train(rank, world, which, z3, hsdp):
     T = 2
-    model, opt = _setup(world, which, z3, T)
+    model, opt = _setup(world, which, z3, T, hsdp=hsdp)
     st = model._dmuon_state
     comm = dmuon.CommCounter()
     with comm:
@@ -199,7 +208,15 @@ def _reference(muon: set[str], n: int = E, steps: int = STEPS) -> dict:
 
 @pytest.mark.parametrize("which,z3", [("all", True), ("experts", False)])
 def test_experts_orthogonalized_where_they_lie(which, z3):
-    results = run_ranks(_train, 4, which, z3, timeout=600)
+    _check_run(which, run_ranks(_train, 4, which, z3, False, timeout=600))
+
+
+def test_experts_orthogonalized_where_they_lie_under_hsdp():
+    """(replicate 2, shard 2, ep 2): the experts' owners publish them to the other replica."""
+    _check_run("all", run_ranks(_train, 8, "all", True, True, timeout=600))
+
+
+def _check_run(which, results):
     model = MoE()
     muon = {n for n, p in model.named_parameters() if PREDICATES[which](n, p)}
     ref = _reference(muon)
