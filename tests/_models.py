@@ -228,6 +228,7 @@ def reference(
     *,
     model: nn.Module | None = None,
     loss=None,
+    blocks=None,
     **wrong,
 ) -> dict:
     """Single-process plain PyTorch: mean loss over every rank's batch, Muon on `muon` names
@@ -235,7 +236,9 @@ def reference(
     hp["adjust_lr"]: 0.2·sqrt(max(m, n)) by default), AdamW (hp's betas, eps) on the rest;
     both learning rates multiplied by schedule(step). `model` (default: make(name)) and
     `loss(model, step, rank)` (default: the model on batch(name, step, rank)) for other models.
-    `wrong`: RIGHT's knobs changed, for measuring the effect of a fault."""
+    `blocks`: {name: a function giving a tensor's matrices as views}, each stepped on its own
+    (default: the parameter one matrix). `wrong`: RIGHT's knobs changed, for measuring the
+    effect of a fault."""
     knobs = {**RIGHT, **wrong}
     if set(knobs) != set(RIGHT):
         raise ValueError(f"unknown knobs {sorted(set(knobs) - set(RIGHT))}")
@@ -265,8 +268,11 @@ def reference(
                 p, g = named[n], named[n].grad
                 if g is None:  # not used this step: no update (AdamW skips it too)
                     continue
-                new, bufs[n] = muon_step(p, g, bufs[n], lr, hp, knobs)
-                p.copy_(new)
+                views = (blocks or {}).get(n, lambda t: [t])
+                for pv, gv, bv in zip(views(p), views(g), views(bufs[n]), strict=True):
+                    new, buf = muon_step(pv, gv, bv, lr, hp, knobs)
+                    pv.copy_(new)
+                    bv.copy_(buf)
             adamw.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

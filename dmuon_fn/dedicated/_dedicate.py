@@ -20,6 +20,7 @@ from ..planning._partition import RankView, partition
 from ..planning._slices import parse_piece
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
+from ..planning._tensor import LOCAL
 from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
 from ._hooks import install
@@ -105,11 +106,13 @@ def dedicate_params(
         blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),
     )
     split = [n for n, s in shapes.items() if len(s) >= 2 and _blocks(plan.blocks_of(n), s) > 1]
+    split = [n for n in split if plan.tensor_slot(n) != LOCAL]  # (whole experts per rank: fine)
     if tmesh is not None and split:
         raise ValueError(
             f"{split[0]} is made of several matrices ({plan.blocks_of(split[0])}), which tensor "
-            f"parallelism does not split yet: pass blocks={{{split[0]!r}: 'flatten'}} to "
-            "orthogonalize it as one matrix, or leave it out of tensor parallelism"
+            "parallelism splits only as Shard over a batch dim (whole experts on each rank, "
+            f"expert parallelism): pass blocks={{{split[0]!r}: 'flatten'}} to orthogonalize it "
+            "as one matrix, or leave it out of tensor parallelism"
         )
     check_plan_consistent(plan)  # before any other collective: ranks that disagree all raise
     tp = None

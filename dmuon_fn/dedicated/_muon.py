@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..comm._mesh import phase
+from ..ns._blocks import block_count
 from ..ns._orthogonalize import NSConfig
 from ..optim import _guard as guard
 from ..optim._config import Config
@@ -28,7 +29,7 @@ from ..optim._update import (
 )
 from ..tp._layout import TensorExchange
 from . import _fsdp_adapter as fsdp
-from ._state import DedicatedState, dedicated_state
+from ._state import DedicatedState, Entry, dedicated_state
 
 
 def updates_here(st: DedicatedState, p: Tensor) -> bool:
@@ -42,6 +43,12 @@ def steps_here(st: DedicatedState, p: Tensor) -> bool:
     grad kept by zero_grad(set_to_none=False)) is skipped on every rank, as by the publish."""
     e = st.entry(p)
     return p.grad is not None and updates_here(st, p) and (e is None or e.touched)
+
+
+def _exchanged(e: Entry | None) -> bool:
+    """Whether the step's `TensorExchange` orthogonalizes `e`: tensor parallel, except whole
+    experts on each tensor rank (expert parallelism), orthogonalized where they lie."""
+    return e is not None and e.tp is not None and not e.tp.local
 
 
 class Muon(torch.optim.Optimizer):
@@ -122,6 +129,7 @@ class Muon(torch.optim.Optimizer):
         self.replicate_async = replicate_async
         self.gather_in_step = bool(gather_in_step)
         self.ns_calls = 0  # Newton-Schulz runs on this rank, for tests and benchmarks
+        self.ns_blocks = 0  # and the matrices (blocks, experts) they orthogonalized
         self.tracker, self.clip_entries = logit_tracker, _clip_entries(st, self.config)
         if self.config.qk_clip_heads and (logit_tracker is None or gather_in_step):
             raise ValueError(
@@ -181,16 +189,21 @@ class Muon(torch.optim.Optimizer):
         if e is not None:
             e.wait_publish()  # the last publish may still read this tensor
         adjust = self.config.adjust_lr
-        if kind == "muon" and e.tp is not None:  # orthogonalized in the exchange
+        if kind == "muon" and _exchanged(e):
             lr, wd, O = group["lr"], group["weight_decay"], exchange.result(e)
             new = muon_apply(p, O, lr=lr, weight_decay=wd, adjust_lr=adjust, shape=e.full_shape)
             guard.write(p, new, ok)
             return
+        if kind == "muon" and p.numel() == 0:  # an expert rank that holds no expert
+            return
+        # (whole experts: this tensor rank's, as any parameter of several matrices)
         state = {k: fsdp.local(v) for k, v in self.state[p].items()}
         lp, g, pure = fsdp.local(p), fsdp.local(p.grad), state_from(KINDS[kind], state)
         blocks = None if e is None else self.st.plan.blocks_of(e.name)
         new, s = param_update(kind, lp, g, pure, group, adjust_lr=adjust, ns=self.ns, blocks=blocks)
-        self.ns_calls += kind == "muon"
+        if kind == "muon":
+            self.ns_calls += 1
+            self.ns_blocks += block_count(blocks, lp.shape)
         guard.write(lp, new, ok)
         for k, v in state_items(s).items():
             guard.write(state[k], v, ok)
@@ -202,7 +215,7 @@ class Muon(torch.optim.Optimizer):
         index = {id(e): i for i, e in enumerate(self.st.entries)}  # the same on every rank
         for group, p in items:
             e = self.st.entry(p)
-            if group["kind"] != "muon" or e is None or e.tp is None or not steps_here(self.st, p):
+            if group["kind"] != "muon" or not _exchanged(e) or not steps_here(self.st, p):
                 continue
             s = self.state[p]
             hyper = {k: group[k] for k in ("momentum", "nesterov")}
@@ -212,6 +225,7 @@ class Muon(torch.optim.Optimizer):
             ex.post(e, index[id(e)], u)
         ex.orthogonalize()
         self.ns_calls += ex.ns_calls
+        self.ns_blocks += ex.ns_calls  # (one matrix each)
         return ex
 
     @torch.no_grad()

@@ -246,6 +246,11 @@ def block_shapes(spec: Blocks, shape: Sequence[int]) -> list[tuple[int, tuple[in
     return _layout(spec, shape).shapes()
 
 
+def block_count(spec: Blocks, shape: Sequence[int]) -> int:
+    """How many matrices a parameter of `shape` read as `spec` is."""
+    return sum(k for k, _ in block_shapes(spec, shape))
+
+
 def to_blocks(x: Tensor, spec: Blocks) -> list[Tensor]:
     """x's blocks: one (k, m, n) tensor per entry of `block_shapes(spec, x.shape)`, in its order,
     k running over the batch (outer) then the blocks' order along the axis (inner). Views of x

@@ -23,6 +23,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method
 from ._slices import cuts, piece_name, spread_columns
+from ._tensor import LOCAL, keeps_matrices
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
 FLOPS_PER_BYTE = 1024.0
@@ -118,7 +119,8 @@ class Plan:
         return (name,)
 
     def tensor_slot(self, name: str) -> int:
-        """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP)."""
+        """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP; LOCAL:
+        each tensor rank its own part, whole matrices)."""
         return self.tensor_slots[self._index(name)] if self.tensor_slots else 0
 
     def blocks_of(self, name: str) -> Blocks | None:
@@ -215,7 +217,8 @@ def partition(
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
         may be and still be chosen (0: never above plain LPT's maximum load).
     tensor_size, layouts: T tensor ranks; {name: layout} for every name ("Shard(0)",
-        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'.
+        "Replicate()", "plain"; default all "plain"), shapes being whole parameters'; a Shard
+        along a batch dim of `blocks` (experts) runs on every tensor rank (tensor slot LOCAL).
     blocks: {name: `Blocks` or its string} for matrices that are more than one 2-D matrix (MoE
         experts, fused qkv, heads; ns/_blocks.py); default: a 3+-D parameter is a batch of
         matrices over its leading dims (pass "flatten" for conv weights), a 2-D one one matrix.
@@ -310,8 +313,9 @@ def partition(
 
     tensor_slots, layout = [], ()
     if tensor_size > 1 or layouts is not None:
-        tensor_slots = _tensor_slots(slots, ns, tensor_size)
         layout = tuple((layouts or {}).get(n, "plain") for n in names)
+        local = [keeps_matrices(lay, b) for lay, b in zip(layout, specs, strict=True)]
+        tensor_slots = _tensor_slots(slots, ns, tensor_size, local)
 
     return Plan(
         names=names,
@@ -348,12 +352,15 @@ def _specs(names, shapes, matrix, given: Mapping[str, Blocks | str]) -> list[Blo
     ]
 
 
-def _tensor_slots(slots: list[int], ns: list[float], tensor_size: int) -> list[int]:
-    """Per parameter, its owner slot's tensor rank that runs its NS (proofs/partition.md §8)."""
-    out = [0] * len(slots)
+def _tensor_slots(
+    slots: list[int], ns: list[float], tensor_size: int, local: list[bool]
+) -> list[int]:
+    """Per parameter, its owner slot's tensor rank that runs its NS, or LOCAL: every tensor rank
+    its own part's (proofs/partition.md §8)."""
+    out = [LOCAL if x else 0 for x in local]
     per_slot: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(slots):
-        if ns[i] > 0:
+        if ns[i] > 0 and not local[i]:
             per_slot[s].append(i)
     for idx in per_slot.values():
         for i, t in zip(idx, schedule([ns[i] for i in idx], tensor_size), strict=True):

@@ -14,6 +14,7 @@ from ..comm._mesh import check_dtype
 from ..ns._dispatch import iteration_dtype, race
 from ..ns._orthogonalize import _default_device
 from ._partition import Plan, _check, _check_int
+from ._tensor import tensor_shares
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
 _EDGE, _BUSIEST, _LEAST = 3, 4, 2  # first/last, busiest and least loaded slots then shown
@@ -125,13 +126,17 @@ class PlanSummary:
         return "\n".join(_render(self))
 
 
-def _largest(plan: Plan, idx: list[int]) -> dict:
-    """largest, largest_shape, largest_ns_flops of the matrices `idx` (None, None, 0.0 if none)."""
-    top = max(idx, key=lambda i: (plan.ns_flops[i], -i), default=None)
+def _largest(plan: Plan, idx: list[int], one: list[float]) -> dict:
+    """largest, largest_shape, largest_ns_flops of the matrices `idx` (None, None, 0.0 if none)
+    by `one`: the NS FLOPs one rank runs of each (all of it, or an expert rank's share)."""
+    top = max(idx, key=lambda i: (one[i], -i), default=None)
     if top is None:
         return {"largest": None, "largest_shape": None, "largest_ns_flops": 0.0}
-    name, shape, flops = plan.names[top], plan.shapes[top], plan.ns_flops[top]
-    return {"largest": name, "largest_shape": shape, "largest_ns_flops": flops}
+    return {
+        "largest": plan.names[top],
+        "largest_shape": plan.shapes[top],
+        "largest_ns_flops": one[top],
+    }
 
 
 def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummary:
@@ -148,6 +153,12 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         positive = "finite and > 0 (FLOP/s, e.g. 4e14)"
         gemm_flops = float(_check("gemm_flops", gemm_flops, lambda v: 0 < v < math.inf, positive))
     flops, total = plan.ns_flops, math.fsum(plan.ns_flops)
+    T = plan.tensor_size if plan.tensor_slots else 0
+    shares = [  # per parameter, of its NS per tensor rank; () without TP
+        tensor_shares(plan.shapes[i], plan.layouts[i], plan.tensor_slots[i], T) if T else ()
+        for i in range(len(flops))
+    ]
+    one = [f * max(sh, default=1.0) for f, sh in zip(flops, shares, strict=True)]
     members: list[list[int]] = [[] for _ in range(plan.world_size)]
     for i, s in enumerate(plan.slots):
         members[s].append(i)
@@ -155,10 +166,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     for s, mine in enumerate(members):
         mats = [i for i in mine if plan.matrix[i]]
         ns = math.fsum(flops[i] for i in mats)
-        per_tensor = tuple(  # () without TP
-            math.fsum(flops[i] for i in mats if plan.tensor_slots[i] == t)
-            for t in range(plan.tensor_size if plan.tensor_slots else 0)
-        )
+        per_tensor = tuple(math.fsum(flops[i] * shares[i][t] for i in mats) for t in range(T))
         rows.append(
             SlotSummary(
                 slot=s,
@@ -168,7 +176,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
                 ns_flops=ns,
                 share=ns / total if total else 0.0,
                 nbytes=sum(plan.nbytes[i] for i in mine),
-                **_largest(plan, mats),
+                **_largest(plan, mats, one),
                 tensor_ns_flops=per_tensor,
             )
         )
@@ -181,7 +189,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         total_bytes=sum(plan.nbytes),
         busiest=loads.index(max(loads)),
         least=loads.index(min(loads)),
-        **_largest(plan, [i for i, m in enumerate(plan.matrix) if m]),
+        **_largest(plan, [i for i, m in enumerate(plan.matrix) if m], one),
         gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
         sliced=tuple((n, len(ps)) for n, ps in plan.sliced),

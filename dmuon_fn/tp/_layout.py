@@ -1,9 +1,10 @@
 """How a dedicated parameter lies over the tensor-parallel ranks (`parallelize_module` over a 1-D
 tensor mesh of T ranks): a `Shard(d)` DTensor (torch.chunk's sizes), or a whole copy
 (`Replicate()`, or a plain tensor). Tensor rank t of the owner slot holds part t as a plain
-parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md).
-`TensorExchange` is the step's one exchange: parts of u to the root, parts of O back, two
-point-to-point batches per step in the plan's entry order."""
+parameter; tensor rank `root` orthogonalizes the whole matrix (proofs/tensor_parallel.md), or,
+where the parts are whole matrices (experts split over a batch dim: expert parallelism), every
+tensor rank its own part. `TensorExchange` is the step's one exchange: parts of u to the root,
+parts of O back, two point-to-point batches per step in the plan's entry order."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..comm._counters import blocked
 from ..comm._mesh import phase
 from ..ns._orthogonalize import NSConfig, orthogonalize_with
+from ..planning._tensor import LOCAL, chunk_sizes
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +51,12 @@ class TensorLayout:
     @property
     def sharded(self) -> bool:
         return self.dim is not None and self.tp.size > 1
+
+    @property
+    def local(self) -> bool:
+        """Each tensor rank's part is whole matrices (experts) it orthogonalizes where they lie,
+        with no exchange (expert parallelism; proofs/tensor_parallel.md claim 11)."""
+        return self.root == LOCAL
 
     def offset(self, t: int) -> int:
         return sum(self.sizes[:t])
@@ -145,13 +153,6 @@ def make_layout(p: torch.Tensor, tp: TensorMesh, root: int) -> TensorLayout:
             "DTensor's own Shard layout"
         )
     return TensorLayout(tp, dim, p.shape, sizes, root, (Shard(dim),))
-
-
-def chunk_sizes(n: int, parts: int) -> tuple[int, ...]:
-    """Each of `parts` ranks' extent of a dim of size n under Shard: torch.chunk's
-    (proofs/tensor_parallel.md claim 1)."""
-    step = -(-n // parts)
-    return tuple(max(0, min(step, n - t * step)) for t in range(parts))
 
 
 TP_TAG = 0x7470_0000  # + 2·(the entry's index) for its gather, + 1 for its scatter
