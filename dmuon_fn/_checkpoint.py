@@ -2,7 +2,8 @@
 loading into the other (same model and predicate) on any world size or mesh shape; each rank
 writes and reads only what it holds. Keys: `model.<name>`, `optim.<name>.<key>`
 (`_update.STATE_KEYS`), `optim.param_groups.<kind>.<hyper>` (`Config.groups()`),
-`optim.skipped_steps`, `optim.grad_norm`; who writes and reads each: proofs/checkpoint.md."""
+`optim.skipped_steps`, `optim.grad_norm`, `optim.blocks.<name>` (each Muon matrix's blocks spec: a
+load under other specs warns); who writes and reads each: proofs/checkpoint.md."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .planning._slices import parse_piece
 PathLike = str | os.PathLike
 Keys = tuple[dict[str, Any], dict[str, tuple]]  # (this rank's part, every tensor key's full shape)
 _GROUPS = "optim.param_groups."
+_BLOCKS = "optim.blocks."  # + name: how a Muon matrix is made of matrices (`Blocks` spelling)
 
 
 def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:
@@ -120,7 +122,18 @@ def _load(
             if kind in groups and (name in groups[kind] or not known_only):
                 keys[k] = (kind, name)
     sd.update({k: groups[kind].get(name) for k, (kind, name) in keys.items()})
+    specs = {k: sd.pop(k) for k in [k for k in sd if k.startswith(_BLOCKS)]}
+    sd.update({k: v for k, v in specs.items() if k in md.state_dict_metadata})  # (older: none)
     _dcp(dcp.load, path, sd)
+    changed = [(k[len(_BLOCKS) :], sd[k], v) for k, v in specs.items() if sd.get(k, v) != v]
+    if changed:
+        n, old, new = changed[0]
+        warnings.warn(
+            f"checkpoint {os.fspath(path)!r} was saved with {n} made of matrices as {old!r}, this "
+            f"run orthogonalizes it as {new!r} ({len(changed)} such matrices): its momentum "
+            "carries on under the new blocks (pass blocks= as saved to keep the old math)",
+            stacklevel=3,
+        )
     loaded: dict[str, dict[str, Any]] = {}
     for k, (kind, name) in keys.items():
         loaded.setdefault(kind, {})[name] = sd[k]
@@ -170,6 +183,8 @@ def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load:
             shapes[f"optim.{n}.{k}"] = () if v.ndim == 0 else full  # 0-d: step counts
             if held:
                 sd[f"optim.{n}.{k}"] = v if v.ndim == 0 else _part(e, v)
+        if e is not None and e.is_matrix:
+            sd[f"{_BLOCKS}{n}"] = str(st.plan.blocks_of(n))
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for n, b in model.state_dict(keep_vars=True).items():  # buffers
         if n not in params and torch.is_tensor(b):
@@ -244,6 +259,8 @@ def _state_keys(state: State, *, load: bool) -> Keys:
             sd[f"model.{n}"] = part(state.params[n])
         if fp.is_global_owner(n):
             sd.update({f"optim.{n}.{k}": part(v) for k, v in items.items()})
+        if n in fp.muon:
+            sd[f"{_BLOCKS}{n}"] = str(fp.partition.blocks_of(n))
     return _with_counters(sd, shapes, state.skipped_steps, state.grad_norm)
 
 

@@ -8,10 +8,12 @@ checkpoints of a sliced model re-planned on another world size."""
 from __future__ import annotations
 
 import itertools
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -332,3 +334,19 @@ def test_a_sliced_checkpoint_resumes_on_4_and_replans_on_2(tmp_path):
             assert torch.equal(r["loaded"][n], saved["loaded"][n]), n
             assert torch.equal(r["momentum"][n], saved["momentum"][n]), n
     _close(two["params"], reference())
+
+
+def test_a_checkpoint_records_the_blocks_and_a_load_under_others_warns(tmp_path):
+    model, path = _model(), str(Path(tmp_path, "c"))
+    state = dmuon.init(model, dmuon.plan(model, blocks=BLOCKS), dmuon.Config())
+    dmuon.save_state(path, state)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert {k for k in saved if k.startswith("optim.blocks.")} == {
+        f"optim.blocks.{n}" for n, p in model.named_parameters() if p.ndim >= 2
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dmuon.load_state(path, state)  # the same specs: silent
+    other = dmuon.plan(model, blocks={**BLOCKS, "*.attn.q.weight": "rows/2"})
+    with pytest.warns(UserWarning, match=r"layers\.0\.attn\.q\.weight .*'rows/4'.*'rows/2'"):
+        dmuon.load_state(path, dmuon.init(model, other, dmuon.Config()))
