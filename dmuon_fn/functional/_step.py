@@ -17,12 +17,19 @@ from ..optim import _guard as guard
 from ..optim._config import Config, check_nonfinite
 from ..optim._qk_clip import check_clip_heads, clip_params, stacked_maxes
 from ..optim._update import AdamWState, MuonState, init_state, param_update
+from ._collect import (
+    flat,
+    full_rows,
+    gather_params,
+    joined,
+    local_rows,
+    owner_entries,
+    reduce_grads,
+)
 from ._plan import FnPlan
 
 StageFn = Callable[[dict[str, torch.Tensor], Any, Any], Any]
 Stage = tuple[Sequence[str], StageFn]
-
-_SELF = (0, 1, 1, 0, 1, 1)  # a size-1 route: the token never reaches torch.distributed
 
 
 class State(NamedTuple):
@@ -91,10 +98,10 @@ def value_and_grad(
         return staged_value_and_grad(loss_fn, fn_plan, prefetch)
 
     def run(params: dict[str, torch.Tensor], batch: Any):
-        full = _gather(params, fn_plan.names, fn_plan)[0]
+        full = gather_params(params, fn_plan.names, fn_plan)[0]
         fn = torch.func.grad_and_value(lambda f: loss_fn(f, batch), has_aux=has_aux)
         grads, loss = fn(full)
-        return loss, _reduce(grads, fn_plan.names, fn_plan)[0]
+        return loss, reduce_grads(grads, fn_plan.names, fn_plan)[0]
 
     return run
 
@@ -164,7 +171,7 @@ def update(
         routes = [(r[3], r[4], r[5], 0, 1, 1) for r in (p_.route(p_.view.held(n)) for n in mine)]
         values = [p_.compute(params[n]) for n in mine]
         outs = torch.ops.dmuon.owner_broadcast(
-            *_entries(values, [p_.held_shape(n) for n in mine], routes),
+            *owner_entries(values, [p_.held_shape(n) for n in mine], routes),
             p_.rep_group,
             after=[grads[n] for n in p_.names] + [x for x in (sq, maxes) if x is not None],
         )
@@ -192,85 +199,11 @@ def _global_sq(grads: dict[str, torch.Tensor], fp: FnPlan) -> torch.Tensor:
 def full_params(state: State) -> dict[str, torch.Tensor]:
     """Every parameter's full value on every rank (for checks and export)."""
     with torch.no_grad():
-        return _gather(state.params, state.plan.names, state.plan)[0]
-
-
-def _flat(rows) -> list[int]:
-    return [x for row in rows for x in row]
+        return gather_params(state.params, state.plan.names, state.plan)[0]
 
 
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _entries(values, rows, routes, token=None):
-    """(values, flat shapes, ndims, flat routes) of an owner op; a token joins on a size-1 route."""
-    if token is not None:
-        values, rows, routes = [*values, token], [*rows, (0,)], [*routes, _SELF]
-    return values, _flat(rows), [len(s) for s in rows], _flat(routes)
-
-
-def _full_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
-    """Each piece's shape (a parameter not sliced: its own)."""
-    return [fn_plan.partition.shapes[fn_plan.partition._index(p)] for _, p, _, _ in pieces]
-
-
-def _local_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
-    """Each piece's reduced gradient's shape here: the piece's on its local owner, else (0,)."""
-    rows = _full_rows(pieces, fn_plan)
-    held = [fn_plan.view.is_local_owner(p) for _, p, _, _ in pieces]
-    return [r if h else (0,) for r, h in zip(rows, held, strict=True)]
-
-
-def _joined(pieces, outs, fn_plan, gathered: bool) -> dict[str, torch.Tensor]:
-    """Per parameter, from its pieces' outputs (a token after them ignored): gathered, their
-    concatenation along dim 0; reduced, the one this rank holds (else the first, 0-size)."""
-    by: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for (n, p, _, _), out in zip(pieces, outs[: len(pieces)], strict=True):
-        by.setdefault(n, []).append((p, out))
-    if gathered:
-        return {n: v[0][1] if len(v) == 1 else torch.cat([o for _, o in v]) for n, v in by.items()}
-    held = fn_plan.view.is_local_owner
-    return {n: next((o for p, o in v if held(p)), v[0][1]) for n, v in by.items()}
-
-
-def _by_name(pieces, outs, fn_plan, token, gathered: bool):
-    """(name -> its output, the next token: None without one)."""
-    return _joined(pieces, outs, fn_plan, gathered), (None if token is None else outs[-1])
-
-
-def _gather(params, names, fn_plan, token=None, after=None, start=False):
-    """Parameters `names` in full on every shard rank, in one op (a piece per owner entry):
-    ({name: full}, next token or None); start: only issue it and return its ticket (for
-    dmuon::collective_wait)."""
-    pieces = fn_plan.pieces(names)
-    values = [  # what this rank holds of each piece (0-size: none of it)
-        fn_plan.compute(params[n] if fn_plan.view.is_local_owner(p) else params[n][:0])
-        for n, p, _, _ in pieces
-    ]
-    routes = [fn_plan.route(p) for _, p, _, _ in pieces]
-    args = _entries(values, _full_rows(pieces, fn_plan), routes, token)
-    op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
-    outs = op(*args, fn_plan.group, after=after)
-    return outs if start else _by_name(pieces, outs, fn_plan, token, gathered=True)
-
-
-def _reduce(grads, names, fn_plan, token=None, after=None, start=False):
-    """Gradients of `names` -> the data-parallel mean on each global owner (of each piece),
-    zeros shaped like the local slot elsewhere, in one op; token and start as `_gather`'s."""
-    pieces = fn_plan.pieces(names)
-    values = [
-        fn_plan.summed(grads[n].narrow(0, a, b - a) if p != n else grads[n])
-        for n, p, a, b in pieces
-    ]
-    routes = [fn_plan.route(p) for _, p, _, _ in pieces]
-    entries = _entries(values, _local_rows(pieces, fn_plan), routes, token)
-    scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)
-    args = (*entries, fn_plan.group, fn_plan.rep_group, scale)
-    if start:
-        return torch.ops.dmuon.two_stage_reduce_start(*args, after=after)
-    outs = torch.ops.dmuon.two_stage_reduce(*args)
-    return _by_name(pieces, outs, fn_plan, token, gathered=False)
 
 
 def _vjp(fn: StageFn, full, x, batch):
@@ -292,11 +225,11 @@ class _Blocking:
         return names  # issued by `gathered`, where the result is needed
 
     def gathered(self, names, after):
-        full, self.token = _gather(self.params, names, self.plan, self.token, after)
+        full, self.token = gather_params(self.params, names, self.plan, self.token, after)
         return full
 
     def start_reduce(self, g_full, names):
-        reduced, self.token = _reduce(g_full, names, self.plan, self.token)
+        reduced, self.token = reduce_grads(g_full, names, self.plan, self.token)
         return reduced
 
     def reduced(self, reduced, last: bool):
@@ -315,33 +248,33 @@ class _Overlapped:
         self.like = {n: fn_plan.compute(params[n].new_empty(0)) for n in fn_plan.names}
 
     def start_gather(self, names):
-        self.chain = _gather(self.params, names, self.plan, after=[self.chain], start=True)
+        self.chain = gather_params(self.params, names, self.plan, after=[self.chain], start=True)
         return self.chain, names
 
     def gathered(self, handle, after):
         ticket, names = handle
         pieces = self.plan.pieces(names)
         likes = [self.like[n] for n, _, _, _ in pieces]
-        outs = self._wait(ticket, likes, _full_rows(pieces, self.plan), after)
-        return _joined(pieces, outs, self.plan, gathered=True)
+        outs = self._wait(ticket, likes, full_rows(pieces, self.plan), after)
+        return joined(pieces, outs, self.plan, gathered=True)
 
     def start_reduce(self, g_full, names):
-        self.chain = _reduce(g_full, names, self.plan, after=[self.chain], start=True)
+        self.chain = reduce_grads(g_full, names, self.plan, after=[self.chain], start=True)
         pieces = self.plan.pieces(names)
         return self.chain, pieces, [self.plan.summed(g_full[n].new_empty(0)) for n, *_ in pieces]
 
     def reduced(self, handle, last: bool):
         ticket, pieces, likes = handle
         after = self.landed if last else [self.chain, *self.landed]
-        outs = self._wait(ticket, likes, _local_rows(pieces, self.plan), after)
+        outs = self._wait(ticket, likes, local_rows(pieces, self.plan), after)
         self.landed = list(outs)
-        return _joined(pieces, outs, self.plan, gathered=False)
+        return joined(pieces, outs, self.plan, gathered=False)
 
     @staticmethod
     def _wait(ticket, likes, rows, after):
         """The results behind `ticket`; `likes[i]` has output i's dtype and device."""
         ndims = [len(r) for r in rows]
-        return torch.ops.dmuon.collective_wait(ticket, likes, _flat(rows), ndims, after=after)
+        return torch.ops.dmuon.collective_wait(ticket, likes, flat(rows), ndims, after=after)
 
 
 def staged_value_and_grad(stages: Sequence[Stage], fn_plan: FnPlan, prefetch: int = 1):

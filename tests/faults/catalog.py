@@ -156,7 +156,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "functional gradients summed instead of averaged",
-        "dmuon_fn/functional/_step.py",
+        "dmuon_fn/functional/_collect.py",
         "scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)",
         "scale = 1.0",
         (T + "test_functional.py::test_world_2",),
