@@ -350,3 +350,27 @@ def test_a_checkpoint_records_the_blocks_and_a_load_under_others_warns(tmp_path)
     other = dmuon.plan(model, blocks={**BLOCKS, "*.attn.q.weight": "rows/2"})
     with pytest.warns(UserWarning, match=r"layers\.0\.attn\.q\.weight .*'rows/4'.*'rows/2'"):
         dmuon.load_state(path, dmuon.init(model, other, dmuon.Config()))
+
+
+def _freeze(rank: int, world: int) -> dict:
+    model = _model()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), pure=True, blocks=BLOCKS)
+    opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
+    per, out = WORLD_BATCH // world, []
+    for step in range(3):
+        if step == 1:  # every rank freezes the parameter it holds a piece (or nothing) of
+            model.layers[0].experts_gate_up.requires_grad_(False)
+        x, y = _batch(step)
+        _loss(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(full_params(model, cast=False))
+    return {"params": out}
+
+
+@pytest.mark.slow
+def test_a_frozen_sliced_parameter_stays_frozen_on_every_rank():
+    (r, *_) = run_ranks(_freeze, 4)
+    frozen, live = EXPERTS[0], EXPERTS[1]
+    assert torch.equal(r["params"][0][frozen], r["params"][2][frozen])
+    assert not torch.equal(r["params"][0][live], r["params"][2][live])

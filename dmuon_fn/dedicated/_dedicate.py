@@ -152,6 +152,8 @@ def dedicate_params(
                 # a rank holds at most one piece: that one's parameter, else the first's (0-size)
                 held = next((e for e in es if st.is_local_owner(e)), es[0])
                 module._parameters[pname] = held.param
+                for e in es if len(es) > 1 else ():
+                    e.holder = held.param
                 uses.setdefault(module, []).append((pname, es))
     install(model, st, uses, prefetch)
     # equal copies: TP's whole copies take tensor rank 0's value, HSDP's the global owner's (cast)

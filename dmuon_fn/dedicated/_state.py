@@ -55,6 +55,7 @@ class Entry:
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
     offset: int = 0  # a piece (planning/_slices.py): its first index along its parameter's dim 0
     whole: torch.Size | None = None  # a piece: its parameter's shape
+    holder: nn.Parameter | None = None  # a piece: the parameter its module holds on this rank
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
     handles: list[Tensor] = field(default_factory=list)  # one per Slot; backward sets its .grad
 
@@ -71,7 +72,10 @@ class Entry:
         return any(h.grad is not None for h in self.handles)
 
     def follow_requires_grad(self) -> None:
-        """The handles require grad as `param` does (compiled blocks read the handle's)."""
+        """The handles require grad as `param` does (compiled blocks read the handle's); a piece's
+        `param` first as its `holder` does (what the user freezes), alike on every rank."""
+        if self.holder is not None:
+            self.param.requires_grad_(self.holder.requires_grad)
         for h in self.handles:
             h.requires_grad_(self.param.requires_grad)
 

@@ -54,8 +54,9 @@ def gather_params(params, names, fn_plan, token=None, after=None, start=False):
     ({name: full}, next token or None); start: only issue it and return its ticket (for
     dmuon::collective_wait)."""
     pieces = fn_plan.pieces(names)
-    values = [  # what this rank holds of each piece (0-size: none of it)
-        fn_plan.compute(params[n] if fn_plan.view.is_local_owner(p) else params[n][:0])
+    values = [  # what this rank holds of each piece (0-size: none of it; a whole parameter's
+        # holder passes its value, any other rank its 0-size placeholder: the same graph)
+        fn_plan.compute(params[n] if p == n or fn_plan.view.is_local_owner(p) else params[n][:0])
         for n, p, _, _ in pieces
     ]
     routes = [fn_plan.route(p) for _, p, _, _ in pieces]
