@@ -2,7 +2,7 @@
 loading into the other (same model and predicate) on any world size or mesh shape; each rank
 writes and reads only what it holds. Keys: `model.<name>`, `optim.<name>.<key>`
 (`_update.STATE_KEYS`), `optim.param_groups.<kind>.<hyper>` (`Config.groups()`),
-`optim.skipped_steps`, `optim.grad_norm`, `optim.blocks.<name>` (each Muon matrix's blocks spec: a
+`optim.skipped_steps`, `optim.grad_norm`, `blocks.<name>` (each Muon matrix's blocks spec: a
 load under other specs warns); who writes and reads each: proofs/checkpoint.md."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .planning._slices import parse_piece
 PathLike = str | os.PathLike
 Keys = tuple[dict[str, Any], dict[str, tuple]]  # (this rank's part, every tensor key's full shape)
 _GROUPS = "optim.param_groups."
-_BLOCKS = "optim.blocks."  # + name: how a Muon matrix is made of matrices (`Blocks` spelling)
+_BLOCKS = "blocks."  # + name: how a Muon matrix is made of matrices (`Blocks` spelling)
 
 
 def save_checkpoint(path: PathLike, model: nn.Module, optimizer: Muon) -> None:

@@ -341,8 +341,8 @@ def test_a_checkpoint_records_the_blocks_and_a_load_under_others_warns(tmp_path)
     state = dmuon.init(model, dmuon.plan(model, blocks=BLOCKS), dmuon.Config())
     dmuon.save_state(path, state)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    assert {k for k in saved if k.startswith("optim.blocks.")} == {
-        f"optim.blocks.{n}" for n, p in model.named_parameters() if p.ndim >= 2
+    assert {k for k in saved if k.startswith("blocks.")} == {
+        f"blocks.{n}" for n, p in model.named_parameters() if p.ndim >= 2
     }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
