@@ -26,12 +26,13 @@ def parse_piece(piece: str) -> tuple[str, int, int]:
 
 def cuts(cost: float, mean: float, length: int, columns: int) -> list[int]:
     """Boundaries [0, ..., length] of a batch of `length` matrices costing `cost` when a slot's
-    fair share is `mean`: k = min(length, columns, ⌈cost / mean⌉) near-equal pieces (k = 1: the
-    whole parameter, [0, length])."""
-    most = min(length, columns)
+    fair share is `mean`: past a fair share, k = min(length, columns, ⌈2·cost / mean⌉)
+    near-equal pieces (about half a share each: halves pack with the other units where pieces
+    of a whole share would not); else the whole parameter, [0, length]."""
     if not 0 < mean < cost:
         return [0, length]
-    k = most if cost >= most * mean else math.ceil(cost / mean)
+    most = min(length, columns)
+    k = most if cost >= most * mean / 2 else math.ceil(2 * cost / mean)
     q, r = divmod(length, k)
     return [j * q + min(j, r) for j in range(k + 1)]
 
