@@ -13,7 +13,9 @@ more than a slot's fair share into pieces `name[a:b]` on distinct shard columns;
    dtype this CPU's dispatch picks and in fp32. The 4 ranks run one after another in this one
    process (each on all of the machine's cores): 4 ranks side by side would share 2 cores.
    Plans use this CPU's Gram ratio, as the faces do on a CPU rank, so that the plan costs what
-   runs here. The ratio printed is busiest(one owner) / busiest(slices).
+   runs here. A rank's seconds: the median of --reps steps, and each call's best of them summed
+   (a floor that bursts of load cannot lift). The ratio printed is busiest(one owner) /
+   busiest(slices). The full run takes about 7 minutes on 2 idle cores, most of it fp32.
 2. The plan summary of qwen3-30b-a3b, gpt-oss-20b and deepseek-v3 (../shared/data/model_shapes)
    at 64 and 1,024 ranks, slices off and on: block matrices as Muon (embeddings, head, biases and
    every 1-D parameter elementwise, as Muon is usually run), the expert tensors with their
