@@ -318,6 +318,26 @@ def test_default_restarts_hold_error_at_standard_level(method, dtype):
             assert rel_err(got, P) <= rel_err(std, P) + 0.02, (*where, rel_err(got, P))
 
 
+@settings(deadline=None, max_examples=20)
+@given(
+    rows=st.integers(1, 70),
+    cols=st.integers(1, 70),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
+def test_tall_normalize_is_bitwise_the_transposed_one(rows, cols, seed, dtype):
+    """normalize of a transposed view into a buffer (a tall matrix's path) equals, bit for bit,
+    normalize of the contiguous transpose without one (proofs/ns_notes.md)."""
+    g = torch.Generator().manual_seed(seed)
+    G = (torch.randn(rows, cols, generator=g) * 10.0).to(dtype)
+    dt = torch.promote_types(dtype, torch.float32)
+    buf = torch.empty(cols, rows, dtype=dt)
+    via_view = iteration_module.normalize(G.mT, 1e-7, scratch=buf)
+    plain = iteration_module.normalize(G.mT.contiguous(), 1e-7)
+    assert via_view.data_ptr() == buf.data_ptr()
+    assert torch.equal(via_view, plain)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     n=st.integers(1, 20),

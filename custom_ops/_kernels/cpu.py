@@ -46,6 +46,13 @@ def _cpu_blocks(n: int) -> int:
     return next((strips for min_rows, strips in reversed(_CPU_STRIPS) if n >= min_rows), 1)
 
 
+def strip_share(n: int) -> float:
+    """The share of the full n×n product's FLOPs that the installed strips compute for n rows:
+    strip i of b covers (i+1)/b of the columns, (b+1)/(2b) in all (1: one GEMM)."""
+    blocks = _cpu_blocks(n)
+    return (blocks + 1) / (2 * blocks)
+
+
 def _as_batched(t: Tensor) -> Tensor:
     # explicit batch size: reshape(-1, ...) is ambiguous for an empty (k = 0) operand
     return t.reshape(t.shape[:-2].numel(), t.shape[-2], t.shape[-1])

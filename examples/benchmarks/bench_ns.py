@@ -11,15 +11,24 @@ For 512×2048 and 1024×4096 (Polar Express, 5 steps) prints, measured side by s
 then the target: the default's time over the fastest candidate whose error is no worse than
 torch.optim.Muon's (<= 1.15x), and the previous default's time over the default's.
 
-Run: python examples/benchmarks/bench_ns.py [--reps 5]
+Then, per shape, one summary row (issue 27): the default against torch.optim.Muon's Newton-Schulz
+(`_zeropower_via_newtonschulz`: bf16, Keller coefficients, 5 steps) and against the same quintic
+run in fp32, and against the FLOP floor: the FLOPs of the form the default runs (`ns_flops`, a
+symmetric product charged as the strips that run) over a GEMM rate measured at that size in the
+iteration dtype (an n×n by n×m product, n the short side).
+
+Run: python examples/benchmarks/bench_ns.py [--reps 5] [--shapes 1024x4096,...]
 Slow bf16 (emulated, as on an AVX2-only CPU) on a CPU with AVX-512 BF16:
-    ONEDNN_MAX_CPU_ISA=AVX2 python examples/benchmarks/bench_ns.py --reps 1 --warmup 0
+    ONEDNN_MAX_CPU_ISA=AVX2 python examples/benchmarks/bench_ns.py --reps 1 --warmup 0 --no-bf16
+(--no-bf16: no bf16 run at all, each ~1 min there; the torch column is then its quintic in fp32)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import time
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +37,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import custom_ops._kernels.cpu as kernels
 import dmuon_fn
-from dmuon_fn.ns._cost import ns_method
+from dmuon_fn.ns._cost import ns_flops, ns_method
 from dmuon_fn.ns._dispatch import gram_min_aspect, iteration_dtype
 
 CANDIDATES = [(dt, m) for dt in (torch.bfloat16, torch.float32) for m in ("standard", "gram")]
@@ -60,6 +69,43 @@ def previous_default(G: torch.Tensor) -> torch.Tensor:
         return dmuon_fn.orthogonalize(G, dtype=torch.bfloat16, method=method)
 
 
+def torch_ns(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz (Keller coefficients, 5 steps) iterated in `dtype`."""
+    if dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(G, KELLER, 5, 1e-7)
+    a, b, c = KELLER
+    X = G.to(dtype)
+    tall = G.size(0) > G.size(1)
+    X = X.mT if tall else X
+    X = X / (X.norm() + 1e-7)
+    for _ in range(5):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def gemm_rate(shape: tuple[int, int], dtype: torch.dtype, reps: int) -> float:
+    """FLOP/s of an n×n by n×m GEMM in `dtype` (n the short side), the best of `reps` (at least
+    5) after a warm-up: the floor is what the GEMM can do, not what a noisy run did."""
+    n, m = min(shape), max(shape)
+    A, X = torch.randn(n, n).to(dtype), torch.randn(n, m).to(dtype)
+    best = math.inf
+    for _ in range(max(reps, 5) + 1):
+        t0 = time.perf_counter()
+        A @ X
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n * n * m / best
+
+
+def floor_seconds(shape: tuple[int, int], reps: int) -> float:
+    """The FLOPs of the form the default runs, symmetric products charged as the CPU kernel's
+    strips compute them, over `gemm_rate` in the iteration dtype."""
+    cpu = torch.device("cpu")
+    n = min(shape)
+    flops = ns_flops(shape, min_aspect=gram_min_aspect(cpu), sym_discount=kernels.strip_share(n))
+    return flops / gemm_rate(shape, iteration_dtype(cpu), reps)
+
+
 def name(dt: torch.dtype, method: str) -> str:
     return f"{str(dt)[6:]} {method}"
 
@@ -69,12 +115,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1))
     ap.add_argument("--no-previous", action="store_true", help="skip the previous default")
-    ap.add_argument("--shapes", default="512x2048,1024x4096")
+    ap.add_argument(
+        "--no-bf16",
+        action="store_true",
+        help="skip every bf16 run (the bf16 candidates, torch's bf16 NS): where bf16 is emulated",
+    )
+    ap.add_argument("--shapes", default="1024x4096,1536x4096,4096x1024,2048x2048")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"# Newton-Schulz candidates, {machine()}")
     print(f"# {dmuon_fn.get_ns_backend('cpu')}")
     cpu = torch.device("cpu")
+    summary = []
     for spec in args.shapes.split(","):
         shape = tuple(int(v) for v in spec.split("x"))
         G = torch.randn(shape)
@@ -84,16 +136,19 @@ def main() -> None:
         fns = {
             name(dt, m): (lambda dt=dt, m=m: dmuon_fn.orthogonalize(G, dtype=dt, method=m))
             for dt, m in CANDIDATES
+            if not (args.no_bf16 and dt == torch.bfloat16)
         }
         fns["default"] = lambda: dmuon_fn.orthogonalize(G)
         if not args.no_previous:
             fns["previous default"] = lambda: previous_default(G)
-        fns["torch.optim.Muon step"] = opt.step
+        if not args.no_bf16:
+            fns["torch.optim.Muon step"] = opt.step
+            fns["torch NS bf16"] = lambda: torch_ns(G, torch.bfloat16)
+        fns["torch NS fp32"] = lambda: torch_ns(G, torch.float32)
         t = interleaved_median(fns, reps=args.reps, warmup=bool(args.warmup))
         err = {k: polar_error(fn(), G) for k, fn in fns.items() if k != "torch.optim.Muon step"}
-        err["torch.optim.Muon step"] = polar_error(
-            _zeropower_via_newtonschulz(G, KELLER, 5, 1e-7), G
-        )
+        if not args.no_bf16:
+            err["torch.optim.Muon step"] = err["torch NS bf16"]
         picked = name(iteration_dtype(cpu), ns_method(shape, "auto", gram_min_aspect(cpu)))
         print(f"\n{shape[0]}×{shape[1]}: the default runs {picked}\n")
         print("| candidate | ms | error vs polar factor |")
@@ -101,9 +156,9 @@ def main() -> None:
         for k in fns:
             mark = " (the default's)" if k == picked else ""
             print(f"| {k}{mark} | {t[k] * 1e3:.1f} | {err[k]:.4f} |")
-        bar = err["torch.optim.Muon step"]
-        ok = [name(dt, m) for dt, m in CANDIDATES if err[name(dt, m)] <= bar]
-        best = min(ok, key=lambda k: t[k])
+        bar = err.get("torch.optim.Muon step", err["torch NS fp32"])
+        ok = [k for k in (name(dt, m) for dt, m in CANDIDATES) if err.get(k, bar + 1) <= bar]
+        best = min(ok or ["default"], key=lambda k: t[k])
         ratio = t["default"] / t[best]
         print(
             f"\ndefault / fastest candidate with error <= torch.optim.Muon's ({best}): "
@@ -111,7 +166,26 @@ def main() -> None:
         )
         if not args.no_previous:
             print(f"previous default / default: {t['previous default'] / t['default']:.2f}x")
-        print(f"torch.optim.Muon step / default: {t['torch.optim.Muon step'] / t['default']:.2f}x")
+        if not args.no_bf16:
+            step = t["torch.optim.Muon step"] / t["default"]
+            print(f"torch.optim.Muon step / default: {step:.2f}x")
+        floor = floor_seconds(shape, args.reps)
+        summary.append((spec, picked, t, err, floor))
+    print("\n## Newton-Schulz at the FLOP limit: the default vs torch's and vs the FLOP floor\n")
+    print(
+        "| shape | default runs | default ms | torch NS bf16 ms | torch NS / default | "
+        "torch NS fp32 / default | floor ms | default / floor | error default | error torch |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for spec, picked, t, err, floor in summary:
+        d, tb = t["default"], t.get("torch NS bf16")
+        bf = ("—", "—", "—") if tb is None else (f"{tb * 1e3:.1f}", f"{tb / d:.2f}x", "")
+        eb = err.get("torch NS bf16", err["torch NS fp32"])
+        print(
+            f"| {spec} | {picked} | {d * 1e3:.1f} | {bf[0]} | {bf[1]} | "
+            f"{t['torch NS fp32'] / d:.2f}x | {floor * 1e3:.1f} | "
+            f"{d / floor:.2f}x | {err['default']:.4f} | {eb:.4f} |"
+        )
 
 
 if __name__ == "__main__":
