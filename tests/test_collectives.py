@@ -1,7 +1,7 @@
 """The reduce behind every dedicated gradient (custom_ops._collectives.reduce_start): over a
-small gloo group direct transfers instead of gloo's reduce (over two ranks the same result
-bits), the same booking in CommCounter, and the pairing kept when several are in flight with
-different owners (proofs/prefetch.md claim 8)."""
+small gloo group direct transfers instead of gloo's reduce (over two ranks the same result bits), the same booking
+in CommCounter, and the pairing kept when several are in flight with different owners
+(proofs/prefetch.md claim 8)."""
 
 from __future__ import annotations
 
