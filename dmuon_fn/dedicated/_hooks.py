@@ -29,16 +29,11 @@ class Slot:
         unit.handles.append(self.handle)
 
     def value(self) -> Tensor:
-        """The entry's full value (`e.shape`, `e.dtype`); autograd sums its gradient back."""
-        e = self.e
-        if not torch.compiler.is_compiling():
-            e.follow_requires_grad()
-            owes = torch.is_grad_enabled() and self.handle.requires_grad
-            return _Gather.apply(self.handle, self, owes)
-        gather, args = torch.ops.dmuon.param_gather, (self.handle, list(e.shape), e.dtype, e.device)
-        if self.st.reshard_after_forward:  # recomputed in backward instead of saved
-            return checkpoint(gather, *args, use_reentrant=False)
-        return gather(*args)
+        """Eager: the entry's full value (`e.shape`, `e.dtype`); autograd sums its gradient back
+        (compiled: `_value`)."""
+        self.e.follow_requires_grad()
+        owes = torch.is_grad_enabled() and self.handle.requires_grad
+        return _Gather.apply(self.handle, self, owes)
 
     def start(self) -> None:  # dmuon::gather_start's runtime
         self.st.scheduler.open_unit(self.unit)
@@ -77,19 +72,18 @@ def _cat(values: list[Tensor]) -> Tensor:
 
 
 def _value(group: list[Slot]) -> Tensor:
-    """A parameter's full value from its slots (a sliced one's pieces concatenated); compiled Z3
-    recomputes the gathers and the concatenation in backward instead of saving them."""
-    if len(group) == 1 or not torch.compiler.is_compiling():
+    """A parameter's full value from its slots (a sliced one's pieces concatenated); compiled,
+    dmuon::param_gather per slot, which Z3 recomputes in backward (with the concatenation)
+    instead of saving."""
+    if not torch.compiler.is_compiling():
         return _cat([slot.value() for slot in group])
-    handles = [slot.handle for slot in group]
+    es = [slot.e for slot in group]
 
     def gather(*hs: Tensor) -> Tensor:
-        es = [slot.e for slot in group]
         op = torch.ops.dmuon.param_gather
-        return torch.cat(
-            [op(h, list(e.shape), e.dtype, e.device) for h, e in zip(hs, es, strict=True)]
-        )
+        return _cat([op(h, list(e.shape), e.dtype, e.device) for h, e in zip(hs, es, strict=True)])
 
+    handles = [slot.handle for slot in group]
     if group[0].st.reshard_after_forward:
         return checkpoint(gather, *handles, use_reentrant=False)
     return gather(*handles)
