@@ -22,7 +22,7 @@ def owner_entries(values, rows, routes, token=None):
 
 def full_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
     """Each piece's shape (a parameter not sliced: its own)."""
-    return [fn_plan.partition.shapes[fn_plan.partition._index(p)] for _, p, _, _ in pieces]
+    return [fn_plan.partition.shape(p) for _, p, _, _ in pieces]
 
 
 def local_rows(pieces, fn_plan) -> list[tuple[int, ...]]:

@@ -61,7 +61,7 @@ class FnPlan:
     def held_shape(self, name: str) -> tuple[int, ...]:
         """The shape of what this rank holds of parameter `name` ((0,) if nothing)."""
         held = self.view.held(name)
-        return (0,) if held is None else self.partition.shapes[self.partition._index(held)]
+        return (0,) if held is None else self.partition.shape(held)
 
     def compute(self, t: torch.Tensor) -> torch.Tensor:
         """A held value (master or placeholder) as it is gathered: in `param_dtype`."""

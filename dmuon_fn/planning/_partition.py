@@ -111,6 +111,10 @@ class Plan:
         """`label` of `name`'s owner slot."""
         return self.label(self.slot(name))
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of plan name `name` (a parameter, or a piece of a sliced one)."""
+        return self.shapes[self._index(name)]
+
     def pieces(self, name: str) -> tuple[str, ...]:
         """The plan names holding parameter `name`: its pieces if it is sliced, else (name,)."""
         for n, ps in self.sliced:
@@ -258,32 +262,31 @@ def partition(
         pairs = block_shapes(spec, shape) if spec else ()
         return math.fsum(k * ns_flops(mn, **ns_kw, min_aspect=gram_min_aspect) for k, mn in pairs)
 
-    def cost_of(spec: Blocks | None, shape: tuple[int, ...]) -> float:
-        return ns_of(spec, shape) + flops_per_byte * math.prod(shape) * bytes_per_elem
+    def byte_cost(shape: tuple[int, ...]) -> float:
+        return flops_per_byte * math.prod(shape) * bytes_per_elem
 
     sliced: dict[str, tuple[str, ...]] = {}
     if slices and world_size // replicate_size > 1 and tensor_size == 1 and layouts is None:
-        costs = [cost_of(b, sh) for b, sh in zip(specs, shapes, strict=True)]
+        costs = [ns_of(b, sh) + byte_cost(sh) for b, sh in zip(specs, shapes, strict=True)]
         mean = math.fsum(costs) / world_size
         rows = []
         for n, sh, m, b, c in zip(names, shapes, matrix, specs, costs, strict=True):
             at = cuts(c, mean, sh[0], world_size // replicate_size) if b and b.batch else [0, 1]
-            if len(at) > 2:
-                sliced[n] = tuple(piece_name(n, a, z) for a, z in itertools.pairwise(at))
-            rows += (
-                [(n, sh, m, b)]
-                if len(at) == 2
-                else [
-                    (piece_name(n, a, z), (z - a, *sh[1:]), m, b) for a, z in itertools.pairwise(at)
-                ]
-            )
+            if len(at) == 2:
+                rows.append((n, sh, m, b))
+                continue
+            spans = list(itertools.pairwise(at))
+            sliced[n] = tuple(piece_name(n, a, z) for a, z in spans)
+            rows += [
+                (p, (z - a, *sh[1:]), m, b) for p, (a, z) in zip(sliced[n], spans, strict=True)
+            ]
         rows.sort(key=lambda r: r[0])
         parent = {p: n for n, ps in sliced.items() for p in ps}
         keys = {p: keys[parent.get(p, p)] for p, *_ in rows}
         names, shapes, matrix, specs = (tuple(col) for col in zip(*rows, strict=True))
         nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
     ns = [ns_of(b, sh) for b, sh in zip(specs, shapes, strict=True)]
-    costs = [f + flops_per_byte * math.prod(shapes[i]) * bytes_per_elem for i, f in enumerate(ns)]
+    costs = [f + byte_cost(sh) for f, sh in zip(ns, shapes, strict=True)]
 
     # Units in order of their first name: each matrix alone, a layer's other params together.
     by_unit: dict[int | str, list[int]] = defaultdict(list)
