@@ -277,6 +277,26 @@ def reference(
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def blocks_reference(model: nn.Module, loss_at, blocks_of, steps: int, lr: float) -> dict:
+    """One process, the whole batch: `steps` of `muon_update` (fp32 Newton-Schulz, no weight
+    decay) on every parameter of `model`, each read with its blocks spec `blocks_of(name)`, on
+    the loss `loss_at(model, step)`; the parameters after, by name."""
+    from dmuon_fn import MuonState, NSConfig, muon_update
+
+    params = dict(model.named_parameters())
+    state = {n: MuonState(torch.zeros_like(p)) for n, p in params.items()}
+    ns = NSConfig(dtype=torch.float32)
+    for step in range(steps):
+        grads = torch.autograd.grad(loss_at(model, step), list(params.values()))
+        with torch.no_grad():
+            for (n, p), g in zip(params.items(), grads, strict=True):
+                new, state[n] = muon_update(
+                    p, g, state[n], lr=lr, weight_decay=0.0, ns=ns, blocks=blocks_of(n)
+                )
+                p.copy_(new)
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
 def _parent(piece: str) -> str:
     from dmuon_fn.planning._slices import parse_piece
 

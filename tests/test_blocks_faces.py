@@ -11,9 +11,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
-from dmuon_fn import MuonState, NSConfig, muon_update
+from dmuon_fn import NSConfig
 from tests._dist import run_ranks
-from tests._models import full_params
+from tests._models import blocks_reference, full_params
 
 BLOCKS = {"attn.qkv.weight": "rows=16+4+4"}
 WANT = {  # what each face must plan
@@ -72,19 +72,9 @@ def _loss(model, x, y):
 
 def reference() -> dict[str, torch.Tensor]:
     """One process, the whole batch, `muon_update` per parameter with the planned blocks."""
-    model = _model()
-    params = dict(model.named_parameters())
-    state = {n: MuonState(torch.zeros_like(p)) for n, p in params.items()}
-    ns = NSConfig(dtype=torch.float32)
-    for step in range(STEPS):
-        grads = torch.autograd.grad(_loss(model, *_batch(step)), list(params.values()))
-        with torch.no_grad():
-            for (n, p), g in zip(params.items(), grads, strict=True):
-                new, state[n] = muon_update(
-                    p, g, state[n], lr=LR, weight_decay=0.0, ns=ns, blocks=WANT[n]
-                )
-                p.copy_(new)
-    return {n: p.detach().clone() for n, p in params.items()}
+    return blocks_reference(
+        _model(), lambda m, step: _loss(m, *_batch(step)), WANT.__getitem__, STEPS, LR
+    )
 
 
 def _object(rank: int, world: int, hsdp: bool) -> dict:

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
-from dmuon_fn import MuonState, NSConfig, muon_update
+from dmuon_fn import NSConfig
 from dmuon_fn.planning._partition import partition
 from dmuon_fn.planning._slices import cuts, parse_piece, piece_name
 from tests._dist import run_ranks
-from tests._models import full_params
+from tests._models import blocks_reference, full_params
 
 E, D = 4, 16
 BLOCKS = {  # per-head q (4 heads) and k (2 heads), fused qkv with GQA sizes, gate/up per expert
@@ -92,19 +92,7 @@ def _spec(name: str) -> str:
 
 def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
     """One process, the whole batch, `muon_update` per whole parameter with its blocks."""
-    model = _model()
-    params = dict(model.named_parameters())
-    state = {n: MuonState(torch.zeros_like(p)) for n, p in params.items()}
-    ns = NSConfig(dtype=torch.float32)
-    for step in range(steps):
-        grads = torch.autograd.grad(_loss(model, *_batch(step)), list(params.values()))
-        with torch.no_grad():
-            for (n, p), g in zip(params.items(), grads, strict=True):
-                new, state[n] = muon_update(
-                    p, g, state[n], lr=LR, weight_decay=0.0, ns=ns, blocks=_spec(n)
-                )
-                p.copy_(new)
-    return {n: p.detach().clone() for n, p in params.items()}
+    return blocks_reference(_model(), lambda m, step: _loss(m, *_batch(step)), _spec, steps, LR)
 
 
 def _close(got: dict, want: dict) -> None:
