@@ -38,14 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _corpus import VOCAB, schedule, split, train_batch
 from _launch import finish, init
-from data.grammar import corpus
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
 
-VOCAB = 96  # "\n" -> 0, printable ASCII " ".."~" -> 1..95
 TRACKED = "dmuon_fn_tracked_sdpa"  # the attention function registered with transformers
 
 try:
@@ -81,37 +80,6 @@ def tracked_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs)
 
 if transformers is not None:
     transformers.AttentionInterface.register(TRACKED, tracked_sdpa)
-
-
-def encode(text: str) -> torch.Tensor:
-    b = torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8).long()
-    return torch.where(b == 10, 0, b - 31)
-
-
-def windows(data: torch.Tensor, starts: torch.Tensor, seq: int) -> torch.Tensor:
-    """Rows data[s : s + seq + 1]: seq inputs and their next-character targets."""
-    return data[starts[:, None] + torch.arange(seq + 1)]
-
-
-def train_batch(data: torch.Tensor, step: int, args, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of global batch `step`: the same for both runs."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=g)
-    per = args.batch // world
-    return windows(data, starts[rank * per : (rank + 1) * per], args.seq)
-
-
-def schedule(args):
-    """Linear warmup, then cosine decay to a tenth: the same shape for both optimizers."""
-    warm = max(1, round(args.warmup * args.steps))
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        t = (step - warm) / max(1, args.steps - warm)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    return factor
 
 
 def make_model(args) -> nn.Module:
@@ -294,18 +262,8 @@ def main() -> int:
         ap.error("--model qwen3 needs transformers (pip install 'transformers>=5,<6')")
 
     device, rank, world = init()
-    if args.batch % world or args.val_rows % world:
-        raise ValueError(
-            f"--batch {args.batch} and --val-rows {args.val_rows} must be multiples of the world "
-            f"size {world}"
-        )
+    train_data, _, val_rows = split(args, rank, world, device)
     mesh = init_device_mesh(device, (world,))
-    data = encode(corpus(args.chars, seed=args.seed))
-    split = int(0.9 * len(data))
-    train_data, val_data = data[:split], data[split:]
-    per = args.val_rows // world
-    starts = torch.linspace(0, len(val_data) - args.seq - 2, args.val_rows).long()
-    val_rows = windows(val_data, starts[rank * per : (rank + 1) * per], args.seq).to(device)
     if rank == 0:
         name = (
             f"transformers {transformers.__version__} Qwen3-MoE"
