@@ -63,25 +63,37 @@ def wait_all(works: Iterable) -> None:
 
 
 PAIR_TAG = 0x6D75  # the pair reduce's transfers: apart from tag 0, on which user code sends
+# the largest gloo group whose reduces go as direct transfers (the owner holds group - 1 inboxes;
+# 4 gloo ranks, 128 KB: 0.57 ms against gloo's reduce 3.6 ms, 1 MB: 2.6 against 3.8 ms)
+SEND_REDUCE_MAX = 8
 
 
 class PairReduce:
-    """A sum onto one rank of a gloo group of two as one transfer, the same bits as a reduce:
-    the other rank sends `t`, the owner adds what it receives on `wait`."""
+    """A sum onto one rank of a small gloo group (2 to `SEND_REDUCE_MAX` ranks) as direct
+    transfers, several times faster than gloo's reduce: every other rank sends `t`, the owner
+    receives each into a buffer of its own and, on `wait`, adds them to its `t` in group-rank
+    order (over two ranks the same bits as a reduce: one addition, which commutes)."""
 
-    def __init__(self, t: Tensor, peer: int, pg: dist.ProcessGroup, owner: bool) -> None:
-        self.t, self.inbox = t, torch.empty_like(t) if owner else None
-        if owner:
-            self.work = dist.irecv(self.inbox, src=peer, group=pg, tag=PAIR_TAG)
+    def __init__(self, t: Tensor, dst: int, pg: dist.ProcessGroup) -> None:
+        me, size = dist.get_rank(pg), dist.get_world_size(pg)
+        self.t, self.inbox = t, []
+        if me == dst:
+            peers = [r for r in range(size) if r != me]
+            self.inbox = [torch.empty_like(t) for _ in peers]
+            self.works = [
+                dist.irecv(b, src=dist.get_global_rank(pg, r), group=pg, tag=PAIR_TAG)
+                for b, r in zip(self.inbox, peers, strict=True)
+            ]
         else:
-            self.work = dist.isend(t, dst=peer, group=pg, tag=PAIR_TAG)
+            peer = dist.get_global_rank(pg, dst)
+            self.works = [dist.isend(t, dst=peer, group=pg, tag=PAIR_TAG)]
 
     def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            if self.inbox is not None:
-                self.t.add_(self.inbox)
-            self.work = self.inbox = None
+        for w in self.works:
+            w.wait()
+        for b in self.inbox:
+            self.t.add_(b)
+        self.works, self.inbox = [], []
         return True
 
 
@@ -94,9 +106,9 @@ def _gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
 def reduce_start(t: Tensor, dst: int, pg: dist.ProcessGroup):
     """Issue the sum of `t` over `pg` onto group rank `dst`, in place there (other ranks' `t`
     undefined, as with dist.reduce); returns a work whose `wait` lands it."""
-    if dist.get_world_size(pg) == 2 and t.device.type == "cpu" and _gloo(pg, t.device):
-        me = dist.get_rank(pg)
-        return PairReduce(t, dist.get_global_rank(pg, 1 - me), pg, owner=me == dst)
+    size = dist.get_world_size(pg)
+    if 2 <= size <= SEND_REDUCE_MAX and t.device.type == "cpu" and _gloo(pg, t.device):
+        return PairReduce(t, dst, pg)
     return dist.reduce(t, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
 
 

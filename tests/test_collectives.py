@@ -1,5 +1,5 @@
-"""The reduce behind every dedicated gradient (custom_ops._collectives.reduce_start): over two
-gloo ranks one transfer instead of gloo's reduce, with the same result bits, the same booking
+"""The reduce behind every dedicated gradient (custom_ops._collectives.reduce_start): over a
+small gloo group direct transfers instead of gloo's reduce (over two ranks the same result bits), the same booking
 in CommCounter, and the pairing kept when several are in flight with different owners
 (proofs/prefetch.md claim 8)."""
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import custom_ops._collectives as collectives
 import dmuon_fn as dmuon
 from custom_ops._collectives import PairReduce, reduce_start
 from tests._dist import run_ranks
@@ -64,7 +65,8 @@ def test_pair_reduce_equals_gloo_reduce_bitwise_and_books_as_one():
 
 def _subgroups(rank, world):
     """Two groups of two inside a world of four (HSDP's replicate pairs): each pair's transfers
-    stay in it; the four-rank group still runs gloo's reduce."""
+    stay in it; the four-rank group's reduce is direct transfers too, and a group past
+    SEND_REDUCE_MAX (patched down to 3) runs gloo's reduce."""
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pg = pairs[rank % 2]
     t = torch.full((64,), float(rank + 1))
@@ -74,6 +76,9 @@ def _subgroups(rank, world):
     full = torch.full((8,), float(rank + 1))
     world_work = reduce_start(full, 3, dist.group.WORLD)
     world_work.wait()
+    collectives.SEND_REDUCE_MAX, gloo = 3, full.clone()
+    gloo_work = reduce_start(gloo, 3, dist.group.WORLD)
+    gloo_work.wait()
     with dmuon.CommCounter() as comm:  # a pair's collectives book (2-1)/2, not (4-1)/4
         dist.broadcast(t.clone(), src=dist.get_global_rank(pg, 0), group=pg)
         dist.all_reduce(t.clone(), group=pg)
@@ -82,6 +87,7 @@ def _subgroups(rank, world):
         booked=dict(comm.stats["other"].op_bytes),
         pair_kind=type(work).__name__,
         world_kind=type(world_work).__name__,
+        gloo_kind=type(gloo_work).__name__,
         sum=t[0].item() if dist.get_rank(pg) == owner else None,
         world_sum=full[0].item() if rank == 3 else None,
     )
@@ -90,8 +96,8 @@ def _subgroups(rank, world):
 @pytest.mark.slow
 def test_pair_reduce_stays_in_its_group_and_larger_groups_use_gloo_reduce():
     res = run_ranks(_subgroups, 4)
-    assert {r["pair_kind"] for r in res} == {"PairReduce"}
-    assert "PairReduce" not in {r["world_kind"] for r in res}
+    assert {r["pair_kind"] for r in res} == {r["world_kind"] for r in res} == {"PairReduce"}
+    assert "PairReduce" not in {r["gloo_kind"] for r in res}
     assert res[2]["sum"] == 1 + 3 and res[3]["sum"] == 2 + 4
     assert res[3]["world_sum"] == 1 + 2 + 3 + 4
     for r in res:
