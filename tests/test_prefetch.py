@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import custom_ops._collectives as collectives
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
 from tests._models import HP, Block, D, full_params, meshes, muon_fp32, reference
@@ -58,33 +59,45 @@ def _x(step: int, rank: int, micro: int = 0) -> torch.Tensor:
 def collective_log():
     """The collectives this rank issues through torch.distributed, in issue order: (group's
     ranks, function, dtype, numel). Python-level, so compiled blocks' ops (which run dmuon_fn's
-    Python at run time) are seen too, where a dispatch mode would disable torch.compile."""
+    Python at run time) are seen too, where a dispatch mode would disable torch.compile. A
+    reduce made of direct transfers (`SendReduce`: the owner receives, the others send) logs
+    as one reduce on every rank of its group."""
     calls: list[tuple[tuple[int, ...], str, str, int]] = []
     names = ("broadcast", "reduce", "all_reduce", "isend", "irecv")
     saved = {n: getattr(dist, n) for n in names}
+    send_init = collectives.SendReduce.__init__
+    inside = []
+
+    def ranks(group):
+        return tuple(
+            range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+        )
 
     def logged(name, fn):
-        if name in ("isend", "irecv"):  # a reduce over two gloo ranks: one end each
-            name = "reduce (one transfer)"
-
         def run(tensor, *args, group=None, **kwargs):
-            ranks = tuple(
-                range(dist.get_world_size())
-                if group is None
-                else dist.get_process_group_ranks(group)
-            )
-            calls.append((ranks, name, str(tensor.dtype), tensor.numel()))
+            if not inside:
+                calls.append((ranks(group), name, str(tensor.dtype), tensor.numel()))
             return fn(tensor, *args, group=group, **kwargs)
 
         return run
 
+    def send_reduce(self, t, dst, pg):
+        calls.append((ranks(pg), "reduce", str(t.dtype), t.numel()))
+        inside.append(True)
+        try:
+            send_init(self, t, dst, pg)
+        finally:
+            inside.pop()
+
     for n, fn in saved.items():
         setattr(dist, n, logged(n, fn))
+    collectives.SendReduce.__init__ = send_reduce
     try:
         yield calls
     finally:
         for n, fn in saved.items():
             setattr(dist, n, fn)
+        collectives.SendReduce.__init__ = send_init
 
 
 def _chain(world, hsdp, z3, depth, compile_blocks=False):

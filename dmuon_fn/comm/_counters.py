@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from custom_ops._collectives import PAIR_TAG
+from custom_ops._collectives import SEND_TAG
 
 # op name -> (factor of (W-1)/W, which argument carries the payload: reduce-scatters' full input)
 _C10D = {
@@ -48,6 +48,19 @@ def _group_size(args: tuple, kwargs: dict) -> int:
             with contextlib.suppress(RuntimeError, ValueError, AttributeError):
                 return dist.get_world_size(dist.distributed_c10d._resolve_process_group(a))
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _send_reduce_share(name: str, args: tuple, payload: int) -> tuple[int, float, int]:
+    """(W, payload, calls) to book for one transfer of a reduce over a group of W gloo ranks
+    made of direct transfers (custom_ops._collectives.SendReduce): what its rank books for the
+    reduce it implements, (W-1)/W of the payload and one call, spread over its transfers (the
+    owner's W-1 receives book 1/(W-1) of it each, the call on the first one)."""
+    pg = dist.ProcessGroup.unbox(args[1])
+    w = int(pg.size())
+    if name == "send":
+        return w, payload, 1
+    first = 1 if pg.rank() == 0 else 0  # the owner receives from its peers in group-rank order
+    return w, payload / (w - 1), int(args[2] == first)
 
 
 @dataclass
@@ -91,13 +104,14 @@ class CommCounter(_Phases, TorchDispatchMode):
             factor, which = table[name]
             p2p = name in ("send", "recv_")
             w = 2 if p2p else _group_size(args, kwargs)
-            if p2p and len(args) > 3 and args[3] == PAIR_TAG:
-                name = "reduce_"
             payload = _nbytes(args[which]) if which < len(args) else 0
+            calls = 1
+            if p2p and len(args) > 3 and args[3] == SEND_TAG:
+                name, w, payload, calls = "reduce_", *_send_reduce_share(name, args, payload)
             if name == "all_gather_into_tensor":
                 payload *= w  # args[0] is this rank's shard
             st = self.stats[self._phase]
-            st.calls[name] += 1
+            st.calls[name] += calls
             st.op_bytes[name] += factor * (w - 1) / w * payload if w > 1 else 0.0
         return func(*args, **kwargs)
 
