@@ -36,9 +36,11 @@ def test_vmap_update_equals_per_matrix_updates(shape, batch, method, seed):
 
 
 def test_vmap_orthogonalize_matches_batched_call():
-    G = torch.randn(3, 48, 128)
+    """To fp32 rounding: vmap may run the products as other GEMM calls than the batched call
+    (seen 2.3e-6 on one draw), as the per-matrix comparison above allows 1e-5."""
+    G = torch.randn(3, 48, 128, generator=torch.Generator().manual_seed(0))
     a = torch.func.vmap(lambda x: orthogonalize(x, dtype=torch.float32))(G)
-    assert rel_err(a, orthogonalize(G, dtype=torch.float32)) < 1e-6
+    assert rel_err(a, orthogonalize(G, dtype=torch.float32)) < 1e-5
 
 
 def test_grad_of_a_loss_through_the_update_wrt_lr():
