@@ -24,7 +24,9 @@ def _values(rank: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _in_flight(rank, world):
     """Reduces in flight at once over the world, owners taking turns, against gloo's reduce of
-    the same values; what CommCounter books for each."""
+    the same values; what CommCounter books for each. Groups past two ranks take the direct
+    transfers only where SEND_REDUCE_MAX allows (custom_ops/_collectives.py: held at two)."""
+    collectives.SEND_REDUCE_MAX = world
     out = {}
     for dtype in DTYPES:
         mine = [_values(rank, k, dtype) for k in range(6)]
@@ -74,7 +76,7 @@ def test_send_reduce_equals_gloo_reduce_and_books_as_one(world):
 def _subgroups(rank, world):
     """Two groups of two inside a world of four (HSDP's replicate pairs): each pair's transfers
     stay in it; the four-rank group's reduce is direct transfers too, and a group past
-    SEND_REDUCE_MAX (patched down to 3) runs gloo's reduce."""
+    SEND_REDUCE_MAX (patched to 4, then 3) runs gloo's reduce."""
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pg = pairs[rank % 2]
     t = torch.full((64,), float(rank + 1))
@@ -82,6 +84,7 @@ def _subgroups(rank, world):
     work = reduce_start(t, owner, pg)
     work.wait()
     full = torch.full((8,), float(rank + 1))
+    collectives.SEND_REDUCE_MAX = 4
     world_work = reduce_start(full, 3, dist.group.WORLD)
     world_work.wait()
     collectives.SEND_REDUCE_MAX, gloo = 3, full.clone()

@@ -18,7 +18,7 @@ Newton-Schulz: the seconds inside the step's calls of `orthogonalize_with`/`orth
 (wrapped here), on the matrices this rank owns; part of update. `zero_grad` is not timed. Every
 time is the median over --steps timed steps after --warmup; "r0 / max": rank 0's median, then the
 largest of the ranks' medians. Collectives and bytes per rank per step: `CommCounter` over one
-more step per optimizer, not timed (the dispatch mode slows every op); dmuon_fn's two-rank
+more step per optimizer, not timed (the dispatch mode slows every op); dmuon_fn's direct-transfer
 reduces are send/recv pairs it books as `reduce_`.
 
 Run: python examples/benchmarks/bench_step.py [--world 4] [--steps 20]
