@@ -23,8 +23,7 @@ def _check(R: Tensor, Qz: Tensor | None) -> None:
     check_like("gram_ns_step", "Qz", Qz, R.shape, R.dtype)
 
 
-@torch.library.custom_op("dmuon::gram_ns_step", mutates_args=())
-def gram_ns_step(
+def gram_ns_step_math(
     R: Tensor,
     Qz: Tensor | None,
     a: float,
@@ -47,6 +46,10 @@ def gram_ns_step(
     else:
         R_next = R.new_empty((*R.shape[:-2], 0, 0))
     return Qz_next, R_next
+
+
+# the op; its body gram_ns_step_math is what eager callers run directly (dmuon_fn.ns._iteration)
+gram_ns_step = torch.library.custom_op("dmuon::gram_ns_step", gram_ns_step_math, mutates_args=())
 
 
 @gram_ns_step.register_fake

@@ -19,12 +19,15 @@ def _check(A: Tensor, C: Tensor | None) -> None:
     check_like("syrk", "C", C, (*A.shape[:-2], A.shape[-2], A.shape[-2]), A.dtype)
 
 
-@torch.library.custom_op("dmuon::syrk", mutates_args=())
-def syrk(
+def syrk_math(
     A: Tensor, C: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, impl: str = "auto"
 ) -> Tensor:
     _check(A, C)
     return resolve_kernel(impl, A.device).sym_mm(A, A.mT, C, alpha, beta)
+
+
+# the op; syrk_math is its body, which eager callers may run directly (dmuon_fn.ns._iteration)
+syrk = torch.library.custom_op("dmuon::syrk", syrk_math, mutates_args=())
 
 
 @syrk.register_fake

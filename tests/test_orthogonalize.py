@@ -432,6 +432,37 @@ def test_buffer_reuse_changes_no_value(dtype, shape, method, it, monkeypatch):
         assert over.data_ptr() == tmp.data_ptr()  # wide, narrower iterates: in place
 
 
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_eager_calls_run_the_op_bodies_and_an_intercepting_mode_sees_the_ops(method):
+    """Plain eager iterations call the dmuon:: ops' bodies directly (no op dispatch, the same
+    arithmetic); a dispatch mode (as CommCounter, make_fx) sees the ops themselves, and the
+    values are the same bits either way (the compiled path: test_buffer_reuse_changes_no_value)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from custom_ops.gram_ns_step import gram_ns_step_math
+    from custom_ops.ns_step import ns_step_math
+    from custom_ops.syrk import syrk_math
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.namespace + "::" + func._opname)
+            return func(*args, **(kwargs or {}))
+
+    G = _matrix(96, 300, 100.0, 3, dtype=torch.float32)
+    assert iteration_module.ops(G) == (ns_step_math, gram_ns_step_math, syrk_math)
+    cfg = NSConfig(method=method, dtype=torch.bfloat16)
+    direct = orthogonalize_with(G, cfg)
+    with Seen() as seen:
+        via_ops = orthogonalize_with(G, cfg)
+    expect = {"dmuon::gram_ns_step", "dmuon::syrk"} if method == "gram" else {"dmuon::ns_step"}
+    assert expect <= seen.ops
+    assert torch.equal(direct, via_ops)
+
+
 def test_steps_always_honoured():
     G = _matrix(16, 40, 10.0, 0)
     s = torch.linalg.svdvals(G) / torch.linalg.matrix_norm(G)

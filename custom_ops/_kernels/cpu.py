@@ -89,6 +89,11 @@ def triangle_product(
             out = beta * C.triu()
             out = out + out.triu(1).mT
         return out
+    if blocks == 1 and A.dim() == 2:  # one 2-D GEMM, no batch views around it
+        if C is not None and beta != 0.0:
+            return torch.addmm(C, A, B, beta=beta, alpha=alpha)
+        out = torch.mm(A, B)
+        return out if alpha == 1.0 else out.mul_(alpha)
     A3, B3 = _as_batched(A), _as_batched(B)
     C3 = _as_batched(C) if C is not None and beta != 0.0 else None
     out = torch.empty(A3.shape[0], n, n, dtype=A.dtype, device=A.device)
