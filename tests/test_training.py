@@ -239,6 +239,35 @@ def test_nonfinite_gradient_raises_on_every_rank_when_asked(clip):
     assert "['layers.1.ln.weight']" in results[1][1] and "another rank" in results[0][1]
 
 
+def _verdict_order(rank, world, clip):
+    """The Newton-Schulz runs this rank had made when the step asked for the guard's verdict."""
+    model, opt = _setup(world, max_grad_norm=clip)
+    seen, check = [], opt.guard.check
+
+    def recorded():
+        seen.append(opt.ns_calls)
+        return check()
+
+    opt.guard.check = recorded
+    for step in range(2):
+        opt.zero_grad()
+        model(batch("mlp", step, rank)).backward()
+        before = opt.ns_calls
+        opt.step()
+        seen[-1] -= before
+    return seen, opt.ns_calls
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_verdict_waits_for_the_first_update_unless_it_changes_it(clip):
+    """Without a clip the guard's all-reduce flies while each rank computes its first update
+    (here a Newton-Schulz run: every rank owns a matrix), the verdict awaited before its write;
+    with a clip coefficient to apply, the verdict comes before any update (proofs/guard.md 2b)."""
+    for seen, runs in run_ranks(_verdict_order, 2, clip):
+        assert runs > 0
+        assert seen == ([1, 1] if clip is None else [0, 0]), seen
+
+
 def _zero(rank: int, world: int):
     """Muon + AdamW (tests/test_training.py's setup) through three steps: all-zero gradients with
     weight decay 0, all-zero gradients with each group's weight decay, then a real batch.

@@ -29,20 +29,8 @@ from ..optim._update import (
 )
 from ..tp._layout import TensorExchange
 from . import _fsdp_adapter as fsdp
+from ._grad_guard import GradGuard, steps_here, updates_here
 from ._state import DedicatedState, Entry, dedicated_state
-
-
-def updates_here(st: DedicatedState, p: Tensor) -> bool:
-    """Whether this rank updates `p`: a dedicated parameter's global owner; any rank otherwise."""
-    e = st.entry(p)
-    return e is None or st.is_global_owner(e)
-
-
-def steps_here(st: DedicatedState, p: Tensor) -> bool:
-    """Whether this step updates `p` here. A dedicated parameter no gradient reached (a stale
-    grad kept by zero_grad(set_to_none=False)) is skipped on every rank, as by the publish."""
-    e = st.entry(p)
-    return p.grad is not None and updates_here(st, p) and (e is None or e.touched)
 
 
 def _exchanged(e: Entry | None) -> bool:
@@ -158,7 +146,11 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.st.scheduler.wait_reduces()
-        ok = self.guard.check()
+        # the guard's all-reduce flies while this rank computes its first update (proofs/guard.md)
+        early = self.guard.early() and self.st.tensor is None
+        if early:
+            self.guard.start()
+        ok = None if early else self.guard.check()
         as_tensors = ("lr", "weight_decay")  # hyperparameters the updates take as 0-d tensors
         hyper = {
             id(g): {**g, **{k: torch.tensor(g[k], dtype=torch.float32) for k in as_tensors}}
@@ -171,7 +163,13 @@ class Muon(torch.optim.Optimizer):
         exchange = self._exchange(items, ok) if self.st.tensor else None
         for group, p in items:
             sched.step_gather_until(first.get(id(p), -1))
-            self._update(group["kind"], p, hyper[id(group)], ok, exchange)
+            writes = self._update(group["kind"], p, hyper[id(group)], exchange)
+            if early and writes:  # the verdict, before the first write
+                ok, early = self.guard.check(), False
+            for dst, new in writes:
+                guard.write(dst, new, ok)
+        if early:  # no update here: the verdict still counts the step
+            ok = self.guard.check()
         sched.step_gather_until(None)
         if exchange is not None:
             exchange.finish()
@@ -181,10 +179,11 @@ class Muon(torch.optim.Optimizer):
         self.guard.forget()
         return loss
 
-    def _update(self, kind: str, p: Tensor, group: dict, ok: Tensor | None, exchange) -> None:
-        """`p`'s update where this rank makes it, in place, masked by `ok`."""
+    def _update(self, kind: str, p: Tensor, group: dict, exchange) -> list[tuple[Tensor, Tensor]]:
+        """`p`'s update where this rank makes it: (destination, new value) pairs, which the
+        step writes masked by the guard's verdict (none: not updated here)."""
         if not steps_here(self.st, p):
-            return
+            return []
         e = self.st.entry(p)
         if e is not None:
             e.wait_publish()  # the last publish may still read this tensor
@@ -192,10 +191,9 @@ class Muon(torch.optim.Optimizer):
         if kind == "muon" and _exchanged(e):
             lr, wd, O = group["lr"], group["weight_decay"], exchange.result(e)
             new = muon_apply(p, O, lr=lr, weight_decay=wd, adjust_lr=adjust, shape=e.full_shape)
-            guard.write(p, new, ok)
-            return
+            return [(p, new)]
         if kind == "muon" and p.numel() == 0:  # an expert rank that holds no expert
-            return
+            return []
         # (whole experts: this tensor rank's, as any parameter of several matrices)
         state = {k: fsdp.local(v) for k, v in self.state[p].items()}
         lp, g, pure = fsdp.local(p), fsdp.local(p.grad), state_from(KINDS[kind], state)
@@ -204,9 +202,7 @@ class Muon(torch.optim.Optimizer):
         if kind == "muon":
             self.ns_calls += 1
             self.ns_blocks += block_count(blocks, lp.shape)
-        guard.write(lp, new, ok)
-        for k, v in state_items(s).items():
-            guard.write(state[k], v, ok)
+        return [(lp, new), *((state[k], v) for k, v in state_items(s).items())]
 
     def _exchange(self, items: list[tuple[dict, Tensor]], ok: Tensor | None) -> TensorExchange:
         """Each tensor-parallel matrix's momentum step (state written, masked by `ok`), then its
@@ -278,80 +274,6 @@ class Muon(torch.optim.Optimizer):
             flight.wait()
         for e in self.st.entries:
             e.wait_publish()
-
-
-class GradGuard:
-    """The guard over the gradients this rank applies: the job's Σ‖g‖² (one all-reduce per
-    step), clip, skip/raise, and `Muon`'s counters (`grad_norm`: the last norm before clipping)."""
-
-    def __init__(self, model: nn.Module, st: DedicatedState, config: Config, groups: list) -> None:
-        self.st, self.config, self.groups = st, config, groups
-        self.skipped_steps, self.grad_norm = guard.counters(st.entries[0].param.device)
-        self.names = {id(p): n for n, p in model.named_parameters()}
-        # equal copies on every tensor rank count once, on tensor rank 0: off it, the parameters
-        # TP does not split whose mesh (if any) has no other tensor rank (e.g. FSDP2's alone)
-        tp, self.copies = st.tensor, set()
-        if tp is not None and tp.size > 1 and tp.rank != 0:
-            peers = set(tp.mesh.mesh.flatten().tolist()) - {dist.get_rank()}
-            ps = [p for p in model.parameters() if (e := st.entry(p)) is None or not e.tp.sharded]
-            self.copies = {id(p) for p in ps if not fsdp.mesh_ranks(p) & peers}
-        self.forget()
-
-    def forget(self) -> None:  # the gradients may change: a new norm, and clip again, next time
-        self._sq: Tensor | None = None
-        self.clipped = False
-
-    def held(self) -> list[tuple[str, Tensor, bool]]:
-        """(name, local gradient, counted once in the job's sum) per gradient this rank applies."""
-        ps = [p for g in self.groups for p in g["params"] if steps_here(self.st, p)]
-        once = [fsdp.counted_here(p.grad) and id(p) not in self.copies for p in ps]
-        return [(self.names[id(p)], fsdp.local(p.grad), c) for p, c in zip(ps, once, strict=True)]
-
-    def global_sq(self) -> Tensor:
-        """The job's [Σ‖g‖² counting each value once, Σ‖g‖² over every copy], float64."""
-        if self._sq is None:
-            held = self.held()
-            sq = guard.squared_norms([g for _, g, _ in held], self.grad_norm.device)
-            # a sum of 0-d tensors: a host-built index or mask would be a blocking copy on CUDA
-            once = [s for s, (_, _, counted) in zip(sq, held, strict=True) if counted]
-            once = torch.stack(once).sum() if once else sq.new_zeros(())
-            self._sq = torch.stack([once, sq.sum()])
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                with phase("step (global gradient norm)"):
-                    dist.all_reduce(self._sq, op=dist.ReduceOp.SUM)
-        return self._sq
-
-    def clip(self, max_norm: float) -> Tensor:
-        """Scale every held gradient by min(1, max_norm / ‖g‖); returns ‖g‖ (float32, 0-d)."""
-        self._sq = None  # the gradients may have changed since
-        total = self.global_sq()[0].sqrt()
-        coef = guard.clip_coefficient(total, max_norm)
-        for _, g, _ in self.held():
-            g.mul_(coef.to(g.device, g.dtype))
-        self.clipped = True
-        return total.float()
-
-    def check(self) -> Tensor | None:
-        """Record the norm, raise (nonfinite="raise"), clip (unless `clip` did), count a skip;
-        returns the on-device finite flag that masks every write (None: unmasked)."""
-        cfg = self.config
-        if not cfg.guarded:
-            return None
-        once, every = self.global_sq()
-        v = guard.judge(once, every, cfg.nonfinite, None if self.clipped else cfg.max_grad_norm)
-        self.grad_norm.copy_(v.norm)
-        if cfg.nonfinite == "raise" and not bool(v.ok):
-            bad = [n for n, g, _ in self.held() if not g.isfinite().all()]
-            self.forget()
-            raise FloatingPointError(
-                f"non-finite gradient (global Σ‖g‖² = {every.item()}); on this rank: "
-                f"{bad or 'none (it is on another rank)'}. No parameter or state was changed"
-            )
-        if v.coef is not None:
-            for _, g, _ in self.held():
-                g.mul_(v.coef.to(g.device, g.dtype))
-        self.skipped_steps.copy_(guard.tally(self.skipped_steps, v.ok))
-        return v.ok
 
 
 def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[dict[str, Any]]:
