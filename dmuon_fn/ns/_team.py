@@ -1,0 +1,92 @@
+"""Newton-Schulz shared by a team of ranks (proofs/team_ns.md). Each member holds one slice of a
+matrix cut along its long side. Every iterate of the standard and of the Gram form is a
+polynomial in the short-side Gram matrix X·Xᵀ = Σ X_i·X_iᵀ applied to X, so with that m×m sum
+(one all-reduce per standard step, or per Gram start and restart) each member updates its own
+slice; the normalization needs max|X| and ‖X‖_F, from one all-gather of two scalars."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
+from ._dispatch import gram_min_aspect, iteration_dtype, kernel_choice
+from ._iteration import gram, ops, schedule, standard
+from ._orthogonalize import NSConfig
+
+
+def orthogonalize_team(
+    G: Tensor,
+    group: dist.ProcessGroup,
+    shape: tuple[int, int] | torch.Size,
+    *,
+    dim: int = -1,
+    cfg: NSConfig | None = None,
+) -> Tensor:
+    """This rank's slice of `orthogonalize(W)`, where W (..., m, n) has trailing `shape` and `G`
+    is this rank's slice of it, cut along `dim` (-1: columns, -2: rows; W's long side) over
+    `group`'s ranks in group-rank order, any sizes. Every rank of the group calls it with the
+    same leading shape, `shape`, `dim` and `cfg` (default NSConfig()), in the same order as its
+    other collectives on the group. Traces under torch.compile (functional collectives) without
+    a graph break; returns G's shape and dtype."""
+    cfg = NSConfig() if cfg is None else cfg
+    if dim not in (-1, -2) or G.dim() < 2 or not G.is_floating_point():
+        raise ValueError(
+            f"orthogonalize_team needs a floating slice (..., m, n) of a matrix cut along dim -1 "
+            f"or -2, got {G.dtype} of shape {tuple(G.shape)} and dim={dim!r}"
+        )
+    other = -1 if dim == -2 else -2
+    full = tuple(int(v) for v in shape[-2:])
+    if len(full) != 2 or full[other] != G.shape[other] or not 0 < G.shape[dim] <= full[dim]:
+        raise ValueError(
+            f"orthogonalize_team: a slice {tuple(G.shape)} along dim {dim} is not part of a "
+            f"matrix of shape {full} (the other dim equal, a non-empty part of this one)"
+        )
+    if full[dim] < full[other]:
+        raise ValueError(
+            f"orthogonalize_team: dim {dim} is the short side of {full}; cut the long side, so "
+            "the team's all-reduce is of the short side's Gram matrix"
+        )
+    if G.requires_grad and torch.is_grad_enabled():
+        raise ValueError("orthogonalize_team computes an optimizer update: pass G.detach()")
+    src = G.mT if dim == -2 else G  # the slice along the last dim; its rows are W's short side
+    dt = torch.promote_types(G.dtype, torch.float32)
+    it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
+    X = _normalize(src.to(dt), cfg.eps, group).to(it, memory_format=torch.contiguous_format)
+    impl = kernel_choice(cfg.kernel, G.device, X.shape[-2] if G.device.type == "cuda" else None)
+    # the form for a member's share of the long side, the same on every member: Gram's m×m
+    # products are every member's, standard's shrink with the share (proofs/team_ns.md)
+    share = -(-full[dim] // dist.get_world_size(group))
+    method = ns_method((full[other], share), cfg.method, gram_min_aspect(G.device))
+    if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
+        raise ValueError(
+            f"method='gram' in {X.dtype} needs a short side of at least {GRAM_MIN_SHORT}: use "
+            "method='auto' or dtype=torch.float32"
+        )
+    syrk = ops(X)[2]
+
+    def gram_of(Y: Tensor) -> Tensor:  # Σ_i Y_i·Y_iᵀ, summed in fp32 (fp64 stays fp64)
+        part = syrk(Y, impl=impl).to(torch.promote_types(Y.dtype, torch.float32))
+        return funcol.all_reduce(part, "sum", group).to(Y.dtype)
+
+    rows = schedule(cfg.coefficients, cfg.steps)
+    if method == "gram":
+        restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts
+        X = gram(X, rows, frozenset(restarts), impl, gram_of=gram_of)
+    else:
+        X = standard(X, rows, impl, gram_of=gram_of)
+    return (X.mT if dim == -2 else X).to(G.dtype)
+
+
+def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:
+    """X / max|W| / (‖W / max|W|‖_F + eps) per matrix, W the whole (X: this member's columns,
+    fp32 or fp64): one all-gather of (max|X_i|, ‖X_i‖²) per member and matrix."""
+    amax = X.abs().amax(dim=(-2, -1)).double()
+    sq = X.double().square().sum(dim=(-2, -1))  # float64: no overflow of fp32 squares
+    every = funcol.all_gather_single(torch.stack([amax, sq]).unsqueeze(0), 0, group)
+    amax = every[:, 0].amax(dim=0).clamp_min(torch.finfo(X.dtype).tiny)
+    norm = every[:, 1].sum(dim=0).sqrt() / amax  # ‖W / max|W|‖_F
+    X = X / amax.to(X.dtype)[..., None, None]  # as orthogonalize: zeros stay exact zeros
+    return X.div_((norm + eps).to(X.dtype)[..., None, None])
