@@ -11,10 +11,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
-from ._dispatch import gram_min_aspect, iteration_dtype, kernel_choice
 from ._iteration import gram, ops, schedule, standard
-from ._orthogonalize import NSConfig
+from ._orthogonalize import NSConfig, iteration, restarts_of
 
 
 def orthogonalize_team(
@@ -53,18 +51,11 @@ def orthogonalize_team(
         raise ValueError("orthogonalize_team computes an optimizer update: pass G.detach()")
     src = G.mT if dim == -2 else G  # the slice along the last dim; its rows are W's short side
     dt = torch.promote_types(G.dtype, torch.float32)
-    it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
-    X = _normalize(src.to(dt), cfg.eps, group).to(it, memory_format=torch.contiguous_format)
-    impl = kernel_choice(cfg.kernel, G.device, X.shape[-2] if G.device.type == "cuda" else None)
     # the form for a member's share of the long side, the same on every member: Gram's m×m
     # products are every member's, standard's shrink with the share (proofs/team_ns.md)
     share = -(-full[dim] // dist.get_world_size(group))
-    method = ns_method((full[other], share), cfg.method, gram_min_aspect(G.device))
-    if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
-        raise ValueError(
-            f"method='gram' in {X.dtype} needs a short side of at least {GRAM_MIN_SHORT}: use "
-            "method='auto' or dtype=torch.float32"
-        )
+    it, impl, method = iteration(cfg, G, (full[other], share))
+    X = _normalize(src.to(dt), cfg.eps, group).to(it, memory_format=torch.contiguous_format)
     syrk = ops(X)[2]
 
     def gram_of(Y: Tensor) -> Tensor:  # Σ_i Y_i·Y_iᵀ, summed in fp32 (fp64 stays fp64)
@@ -73,8 +64,7 @@ def orthogonalize_team(
 
     rows = schedule(cfg.coefficients, cfg.steps)
     if method == "gram":
-        restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts
-        X = gram(X, rows, frozenset(restarts), impl, gram_of=gram_of)
+        X = gram(X, rows, restarts_of(cfg), impl, gram_of=gram_of)
     else:
         X = standard(X, rows, impl, gram_of=gram_of)
     return (X.mT if dim == -2 else X).to(G.dtype)
