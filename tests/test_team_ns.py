@@ -2,8 +2,9 @@
 slice of the result equals that slice of one rank's `orthogonalize` of the whole matrix (fp32
 iterates: to fp32 rounding; bf16: as close to the float64 polar factor as one rank's), on teams
 of 2 and 4 gloo ranks, wide and tall, uneven slices, a batch, both forms; the all-reduces are
-the formula's (one per standard step, one per Gram start and restart, m×m fp32 each, and one
-all-gather of two scalars per member and matrix); compiled with fullgraph, one graph."""
+the formula's (one per standard step, one per Gram start and restart, m×m fp32 each; one
+all-gather of two scalars per member and matrix, and per standard step one of A²'s row blocks,
+which the members share); compiled with fullgraph, one graph."""
 
 from __future__ import annotations
 
@@ -72,11 +73,17 @@ def test_each_member_holds_its_slice_of_the_whole_result_fp32(team, method):
             ref = _slice(whole, dim, bounds, rank % team)
             assert mine.shape == ref.shape and mine.dtype == W.dtype
             assert rel_err(mine, ref) < 1e-5, (shape, dim, rank, rel_err(mine, ref))
-            # the formula: m×m fp32 all-reduces, one per standard step / Gram (re)start
+            # the formula: m×m fp32 all-reduces, one per standard step / Gram (re)start; one
+            # all-gather of two float64 per member and matrix, and per standard step one of
+            # A²'s row blocks (⌈m/k⌉ rows each)
+            nb = batch[0] if batch else 1
             reduces = 5 if method == "standard" else 1 + len(default_restarts(5))
-            per = 4 * m * m * max(1, len(batch) and batch[0])
-            assert calls == {"all_gather_into_tensor": 1, "all_reduce": reduces}, calls
-            assert booked["all_reduce"] == pytest.approx(reduces * 2 * (team - 1) / team * per)
+            squares = 5 if method == "standard" else 0
+            assert calls == {"all_gather_into_tensor": 1 + squares, "all_reduce": reduces}
+            share = (team - 1) / team
+            assert booked["all_reduce"] == pytest.approx(reduces * 2 * share * 4 * m * m * nb)
+            gathered = team * 16 * nb + squares * team * -(-m // team) * m * 4 * nb
+            assert booked["all_gather_into_tensor"] == pytest.approx(share * gathered)
 
 
 def _bf16_run(rank, world):
@@ -104,14 +111,14 @@ def test_bf16_team_is_as_close_to_the_polar_factor_as_one_rank():
         assert rel_err(joined, polar) < 1.1 * rel_err(one, polar) + 1e-3, shape
 
 
-def _compiled(rank, world):
+def _compiled(rank, world, method):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     shape, dim = (48, 200), -1
     W = _whole(shape, ())
     bounds = _bounds(shape[dim], world)
     G = _slice(W, dim, bounds, rank).contiguous()
-    cfg = dmuon.NSConfig(dtype=torch.float32, method="gram")
+    cfg = dmuon.NSConfig(dtype=torch.float32, method=method)
     cnt = CompileCounterWithBackend("aot_eager")
 
     def fn(x):
@@ -122,8 +129,9 @@ def _compiled(rank, world):
 
 
 @pytest.mark.slow
-def test_compiles_to_one_graph_with_the_eager_values():
-    for err, frames in run_ranks(_compiled, 2):
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_compiles_to_one_graph_with_the_eager_values(method):
+    for err, frames in run_ranks(_compiled, 2, method):
         assert frames == 1 and err < 1e-6
 
 

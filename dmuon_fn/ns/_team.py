@@ -6,6 +6,8 @@ slice; the normalization needs max|X| and ‖X‖_F, from one all-gather of two 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -66,7 +68,8 @@ def orthogonalize_team(
     if method == "gram":
         X = gram(X, rows, restarts_of(cfg), impl, gram_of=gram_of)
     else:
-        X = standard(X, rows, impl, gram_of=gram_of)
+        square = functools.partial(_shared_square, group=group)
+        X = standard(X, rows, impl, gram_of=gram_of, square_of=square)
     return (X.mT if dim == -2 else X).to(G.dtype)
 
 
@@ -80,3 +83,16 @@ def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:
     norm = every[:, 1].sum(dim=0).sqrt() / amax  # ‖W / max|W|‖_F
     X = X / amax.to(X.dtype)[..., None, None]  # as orthogonalize: zeros stay exact zeros
     return X.div_((norm + eps).to(X.dtype)[..., None, None])
+
+
+def _shared_square(A: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """A·A for the symmetric m×m A every member holds: member r computes rows
+    [r·⌈m/k⌉, (r+1)·⌈m/k⌉) of it (A's row block times A, 2·m³/k FLOPs), one all-gather joins
+    them (the last block zero-padded to the others' height)."""
+    k, me, m = dist.get_world_size(group), dist.get_rank(group), A.shape[-1]
+    h = -(-m // k)
+    lo, hi = min(me * h, m), min((me + 1) * h, m)
+    block = torch.matmul(A[..., lo:hi, :], A)
+    if hi - lo < h:
+        block = torch.nn.functional.pad(block, (0, 0, 0, h - (hi - lo)))
+    return funcol.all_gather_single(block, A.dim() - 2, group)[..., :m, :]
