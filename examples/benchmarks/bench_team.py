@@ -10,7 +10,7 @@ machine with fewer cores than ranks the members share cores, so wall time unders
 the ratio one owner / team for both, the bytes each member all-reduces per call, and the
 largest difference from the one-owner result (relative Frobenius).
 
-Run: python examples/benchmarks/bench_team.py [--world 4] [--reps 5] [--shapes 4096x1024,...]
+Run: python examples/benchmarks/bench_team.py [--world 4] [--reps 5] [--shapes 4096x1024,...] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from _timing import machine, run_ranks
 
 import dmuon_fn as dmuon
-from dmuon_fn.ns._orthogonalize import get_ns_backend
+from dmuon_fn.ns._orthogonalize import get_ns_backend, orthogonalize_with
 
 
 def _call(fn) -> tuple[float, float]:
@@ -36,24 +36,24 @@ def _call(fn) -> tuple[float, float]:
     return time.thread_time() - c0, time.perf_counter() - w0
 
 
-def _rank(rank: int, world: int, shapes, reps: int) -> list[dict]:
+def _rank(rank: int, world: int, shapes, reps: int, dtype: str | None) -> list[dict]:
+    cfg = dmuon.NSConfig(dtype=getattr(torch, dtype) if dtype else None)
     out = []
     for shape in shapes:
         W = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
         dim = -1 if shape[-1] >= shape[-2] else -2
-        whole = dmuon.orthogonalize(W) if rank == 0 else None
+        whole = orthogonalize_with(W, cfg) if rank == 0 else None
         rows = {}
         teams = sorted({1, 2, world})
         for k in teams:
             group = dist.new_group(list(range(k)))  # every rank creates every group
             if k == 1:
-                run = (lambda: dmuon.orthogonalize(W)) if rank == 0 else (lambda: None)
+                run = (lambda: orthogonalize_with(W, cfg)) if rank == 0 else (lambda: None)
                 part = None
             else:
                 n = shape[dim]
                 lo, hi = rank * n // k, (rank + 1) * n // k
                 part = W.narrow(dim, lo, hi - lo) if rank < k else None
-                cfg = dmuon.NSConfig()
 
                 def run(part=part, group=group, cfg=cfg):
                     if part is not None:
@@ -88,14 +88,15 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", default="4096x1024,1024x4096,2048x2048")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the dispatch's")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    res = run_ranks(_rank, args.world, shapes, args.reps)
+    res = run_ranks(_rank, args.world, shapes, args.reps, args.dtype)
     lines = [
         f"# one matrix's Newton-Schulz: one owner vs a team, W={args.world} CPU ranks (gloo, "
         f"1 thread each), {machine()}",
         f"# `python examples/benchmarks/bench_team.py {' '.join(argv or sys.argv[1:])}`".rstrip(),
-        f"# {get_ns_backend('cpu')}",
+        f"# {get_ns_backend('cpu', dtype=getattr(torch, args.dtype) if args.dtype else None)}",
         "",
         "| shape | ranks on it | busiest CPU s | wall s | one owner / this, CPU | one owner / this,"
         " wall | all-reduce bytes per member | max rel. difference from one owner |",
