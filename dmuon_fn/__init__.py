@@ -16,6 +16,7 @@ from .functional._step import State, full_params, global_grad_norm, init, update
 from .ns._blocks import Blocks
 from .ns._iteration import PRESETS
 from .ns._orthogonalize import NSConfig, get_ns_backend, orthogonalize
+from .ns._team import orthogonalize_team
 from .optim._config import Config
 from .optim._qk_clip import ClipHeads, LogitTracker, max_logits, qk_clip, qk_clip_fused
 from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
@@ -58,6 +59,7 @@ __all__ = [
     "muon_init",
     "muon_update",
     "orthogonalize",
+    "orthogonalize_team",
     "partition",
     "plan",
     "plan_summary",

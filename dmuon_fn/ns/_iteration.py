@@ -4,8 +4,9 @@ their coefficient rows, each (a, b, c) one quintic step X ← a·X + b·(XXᵀ)X
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -101,10 +102,27 @@ def ops(X: Tensor) -> tuple:
     return torch.ops.dmuon.ns_step, torch.ops.dmuon.gram_ns_step, torch.ops.dmuon.syrk
 
 
-def standard(X: Tensor, rows: Sequence[Row], impl: str) -> Tensor:
-    ns_step = ops(X)[0]
+def standard(
+    X: Tensor,
+    rows: Sequence[Row],
+    impl: str,
+    gram_of: Callable[[Tensor], Tensor] | None = None,
+    square_of: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Standard NS from the normalized X. gram_of: X·Xᵀ of the whole matrix when X is one
+    slice of it (a team's, proofs/team_ns.md), square_of: A² of that symmetric A (its row blocks
+    shared out); then each step is (a·I + b·A + c·A²)·X."""
+    ns_step, _, syrk = ops(X)
     for a, b, c in rows:
-        X = ns_step(X, a, b, c, impl=impl)
+        if gram_of is None:
+            X = ns_step(X, a, b, c, impl=impl)
+            continue
+        A = gram_of(X)
+        if square_of is None:
+            B = syrk(A, A, c, b, impl=impl)  # A symmetric: A·Aᵀ = A²
+        else:
+            B = torch.add(A * b, square_of(A), alpha=c)
+        X = apply_q(B, a, X)
     return X
 
 
@@ -114,12 +132,16 @@ def gram(
     restarts: Collection[int],
     impl: str,
     scratch: Sequence[Tensor] = (),
+    gram_of: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Gram NS from the normalized X, which is consumed. Eager restarts write into `scratch`
-    (X's shape and dtype; never the result) or a dead iterate (proofs/buffers.md)."""
+    (X's shape and dtype; never the result) or a dead iterate (proofs/buffers.md). gram_of: as
+    `standard`'s, for the (re)starts' X·Xᵀ."""
     # Q = q·I + Qz; Qz None means Q = q·I (see dmuon::gram_ns_step for why the split).
     _, gram_ns_step, syrk = ops(X)
-    R = syrk(X, impl=impl)
+    if gram_of is None:
+        gram_of = functools.partial(syrk, impl=impl)
+    R = gram_of(X)
     Qz, q = None, 1.0
     free, dead = list(scratch), []  # buffers for intermediate iterates / for any iterate
     for i, (a, b, c) in enumerate(rows):
@@ -128,7 +150,7 @@ def gram(
             X, old = apply_q(Qz, q, X, dst), X
             in_scratch = any(old.data_ptr() == t.data_ptr() for t in scratch)
             (free if in_scratch else dead).append(old)
-            R = syrk(X, impl=impl)
+            R = gram_of(X)
             Qz, q = None, 1.0
         last = i == len(rows) - 1 or (i + 1) in restarts
         Qz, R = gram_ns_step(R, Qz, a, b, c, q, update_r=not last, impl=impl)

@@ -97,36 +97,46 @@ def orthogonalize_with(G: Tensor, cfg: NSConfig, *, overwrite: bool = False) -> 
         )
     if G.numel() == 0:
         return torch.zeros_like(G)  # an empty batch or a 0-width matrix: nothing to orthogonalize
-    short = int(min(G.shape[-2:])) if G.device.type == "cuda" else None
-    impl = kernel_choice(cfg.kernel, G.device, short)
-    # resolves the device's dispatch (on a CPU: also the SYRK strip table) whatever cfg says
-    aspect = gram_min_aspect(G.device)
-    rows = schedule(cfg.coefficients, cfg.steps)
     tall = G.shape[-2] > G.shape[-1]
     src = G.mT if tall else G  # iterate on the short side
     dt = torch.promote_types(G.dtype, torch.float32)
-    it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
+    it, impl, method = iteration(cfg, G, src.shape[-2:])
     # Eager: one buffer holds the normalized copy and, under narrower iterates, the result.
     buf = None
     if plain_eager():
         reuse = overwrite and not tall and G.dtype == dt and G.is_contiguous()
         buf = G if reuse else torch.empty(src.shape, dtype=dt, device=G.device)
     X = normalize(src if buf is not None else src.contiguous(), cfg.eps, it, scratch=buf)
-    method = ns_method(X.shape, cfg.method, aspect)
-    if method == "gram" and X.shape[-2] < GRAM_MIN_SHORT and X.element_size() < 4:
-        raise ValueError(
-            f"method='gram' in {X.dtype} needs a short side of at least {GRAM_MIN_SHORT} "
-            f"(got {tuple(G.shape)}): below it the low-precision Gram iteration can diverge. "
-            "Use method='auto' (standard NS there) or dtype=torch.float32"
-        )
+    rows = schedule(cfg.coefficients, cfg.steps)
     if method == "gram":
-        restarts = default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts
-        X = gram(X, rows, frozenset(restarts), impl, halves(buf, X))
+        X = gram(X, rows, restarts_of(cfg), impl, halves(buf, X))
     else:
         X = standard(X, rows, impl)
     if buf is not None and G.dtype == dt and X.dtype != dt:
         X = buf.copy_(X)
     return (X.mT if tall else X).to(G.dtype)
+
+
+def iteration(cfg: NSConfig, G: Tensor, shape: Sequence[int]) -> tuple[torch.dtype, str, str]:
+    """(iteration dtype, SYRK kernel, "gram" or "standard") for G under `cfg`, the form chosen
+    for a (short, long) `shape`; raises where low-precision Gram NS is unsafe. Resolves the
+    device's dispatch (on a CPU: also the SYRK strip table) whatever cfg says."""
+    short = int(shape[0])
+    impl = kernel_choice(cfg.kernel, G.device, short if G.device.type == "cuda" else None)
+    aspect = gram_min_aspect(G.device)
+    it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
+    method = ns_method(tuple(shape), cfg.method, aspect)
+    if method == "gram" and short < GRAM_MIN_SHORT and it.itemsize < 4:
+        raise ValueError(
+            f"method='gram' in {it} needs a short side of at least {GRAM_MIN_SHORT} "
+            f"(got {tuple(G.shape)}): below it the low-precision Gram iteration can diverge. "
+            "Use method='auto' (standard NS there) or dtype=torch.float32"
+        )
+    return it, impl, method
+
+
+def restarts_of(cfg: NSConfig) -> frozenset[int]:
+    return frozenset(default_restarts(cfg.steps) if cfg.restarts is None else cfg.restarts)
 
 
 def _default_device() -> torch.device:

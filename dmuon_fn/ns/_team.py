@@ -1,0 +1,98 @@
+"""Newton-Schulz shared by a team of ranks (proofs/team_ns.md). Each member holds one slice of a
+matrix cut along its long side. Every iterate of the standard and of the Gram form is a
+polynomial in the short-side Gram matrix X·Xᵀ = Σ X_i·X_iᵀ applied to X, so with that m×m sum
+(one all-reduce per standard step, or per Gram start and restart) each member updates its own
+slice; the normalization needs max|X| and ‖X‖_F, from one all-gather of two scalars."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from ._iteration import gram, ops, schedule, standard
+from ._orthogonalize import NSConfig, iteration, restarts_of
+
+
+def orthogonalize_team(
+    G: Tensor,
+    group: dist.ProcessGroup,
+    shape: tuple[int, int] | torch.Size,
+    *,
+    dim: int = -1,
+    cfg: NSConfig | None = None,
+) -> Tensor:
+    """This rank's slice of `orthogonalize(W)`, where W (..., m, n) has trailing `shape` and `G`
+    is this rank's slice of it, cut along `dim` (-1: columns, -2: rows; W's long side) over
+    `group`'s ranks in group-rank order, any sizes. Every rank of the group calls it with the
+    same leading shape, `shape`, `dim` and `cfg` (default NSConfig()), in the same order as its
+    other collectives on the group. Traces under torch.compile (functional collectives) without
+    a graph break; returns G's shape and dtype."""
+    cfg = NSConfig() if cfg is None else cfg
+    if dim not in (-1, -2) or G.dim() < 2 or not G.is_floating_point():
+        raise ValueError(
+            f"orthogonalize_team needs a floating slice (..., m, n) of a matrix cut along dim -1 "
+            f"or -2, got {G.dtype} of shape {tuple(G.shape)} and dim={dim!r}"
+        )
+    other = -1 if dim == -2 else -2
+    full = tuple(int(v) for v in shape[-2:])
+    if len(full) != 2 or full[other] != G.shape[other] or not 0 < G.shape[dim] <= full[dim]:
+        raise ValueError(
+            f"orthogonalize_team: a slice {tuple(G.shape)} along dim {dim} is not part of a "
+            f"matrix of shape {full} (the other dim equal, a non-empty part of this one)"
+        )
+    if full[dim] < full[other]:
+        raise ValueError(
+            f"orthogonalize_team: dim {dim} is the short side of {full}; cut the long side, so "
+            "the team's all-reduce is of the short side's Gram matrix"
+        )
+    if G.requires_grad and torch.is_grad_enabled():
+        raise ValueError("orthogonalize_team computes an optimizer update: pass G.detach()")
+    src = G.mT if dim == -2 else G  # the slice along the last dim; its rows are W's short side
+    dt = torch.promote_types(G.dtype, torch.float32)
+    # the form for a member's share of the long side, the same on every member: Gram's m×m
+    # products are every member's, standard's shrink with the share (proofs/team_ns.md)
+    share = -(-full[dim] // dist.get_world_size(group))
+    it, impl, method = iteration(cfg, G, (full[other], share))
+    X = _normalize(src.to(dt), cfg.eps, group).to(it, memory_format=torch.contiguous_format)
+    syrk = ops(X)[2]
+
+    def gram_of(Y: Tensor) -> Tensor:  # Σ_i Y_i·Y_iᵀ, summed in fp32 (fp64 stays fp64)
+        part = syrk(Y, impl=impl).to(torch.promote_types(Y.dtype, torch.float32))
+        return funcol.all_reduce(part, "sum", group).to(Y.dtype)
+
+    rows = schedule(cfg.coefficients, cfg.steps)
+    if method == "gram":
+        X = gram(X, rows, restarts_of(cfg), impl, gram_of=gram_of)
+    else:
+        square = functools.partial(_shared_square, group=group)
+        X = standard(X, rows, impl, gram_of=gram_of, square_of=square)
+    return (X.mT if dim == -2 else X).to(G.dtype)
+
+
+def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:
+    """X / max|W| / (‖W / max|W|‖_F + eps) per matrix, W the whole (X: this member's columns,
+    fp32 or fp64): one all-gather of (max|X_i|, ‖X_i‖²) per member and matrix."""
+    amax = X.abs().amax(dim=(-2, -1)).double()
+    sq = X.double().square().sum(dim=(-2, -1))  # float64: no overflow of fp32 squares
+    every = funcol.all_gather_single(torch.stack([amax, sq]).unsqueeze(0), 0, group)
+    amax = every[:, 0].amax(dim=0).clamp_min(torch.finfo(X.dtype).tiny)
+    norm = every[:, 1].sum(dim=0).sqrt() / amax  # ‖W / max|W|‖_F
+    X = X / amax.to(X.dtype)[..., None, None]  # as orthogonalize: zeros stay exact zeros
+    return X.div_((norm + eps).to(X.dtype)[..., None, None])
+
+
+def _shared_square(A: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """A·A for the symmetric m×m A every member holds: member r computes rows
+    [r·⌈m/k⌉, (r+1)·⌈m/k⌉) of it (A's row block times A, 2·m³/k FLOPs), one all-gather joins
+    them (the last block zero-padded to the others' height)."""
+    k, me, m = dist.get_world_size(group), dist.get_rank(group), A.shape[-1]
+    h = -(-m // k)
+    lo, hi = min(me * h, m), min((me + 1) * h, m)
+    block = torch.matmul(A[..., lo:hi, :], A)
+    if hi - lo < h:
+        block = torch.nn.functional.pad(block, (0, 0, 0, h - (hi - lo)))
+    return funcol.all_gather_single(block, A.dim() - 2, group)[..., :m, :]
