@@ -25,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import custom_ops  # noqa: F401  (registers dmuon::lpt_partition)
 from custom_ops import _lpt
 from dmuon_fn.ns._cost import ns_flops
-from dmuon_fn.planning._partition import FLOPS_PER_BYTE, layer_keys, partition
+from dmuon_fn.planning._layers import layer_keys
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE, partition
 from dmuon_fn.planning._slices import parse_piece
 from tests._plans import column_bytes, layer_collisions, max_load, owned_by, param_cost
 

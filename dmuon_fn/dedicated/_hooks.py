@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from custom_ops._handles import new_handle
 
-from ..planning._partition import layer_keys
+from ..planning._layers import layer_keys
 from . import _fsdp_adapter as fsdp
 from ._schedule import Scheduler
 from ._state import DedicatedState, Entry, Group, Unit, make_groups

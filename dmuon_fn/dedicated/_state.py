@@ -2,7 +2,7 @@
 parameter, held in full between steps by its *local owners* (shard rank `owner_shard` of every
 replica; the *global owner* (owner_shard, owner_replica) keeps the master, at least fp32, and the
 optimizer state), a 0-size placeholder elsewhere (tensor parallelism: this tensor rank's part).
-A `Unit` (one layer's modules, `planning/_partition.layer_keys`) is gathered per `Group`; one
+A `Unit` (one layer's modules, `planning/_layers.layer_keys`) is gathered per `Group`; one
 module's groups are its reduce buckets (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ machine with fewer cores than ranks the members share cores, so wall time unders
 the ratio one owner / team for both, the bytes each member all-reduces per call, and the
 largest difference from the one-owner result (relative Frobenius).
 
-Run: python examples/benchmarks/bench_team.py [--world 4] [--reps 5] [--shapes 4096x1024,...] [--dtype float32]
+Run: python examples/benchmarks/bench_team.py [--world 4] [--reps 5] [--shapes 4096x1024,...]
+    [--dtype float32]
 """
 
 from __future__ import annotations
