@@ -54,6 +54,7 @@ def test_public_api_is_pinned():
             "adamw_update",
             "check_plan_consistent",
             "get_ns_backend",
+            "orthogonalize_team",
             "muon_init",
             "muon_update",
             "orthogonalize",

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import dmuon_fn as dmuon
 from dmuon_fn.ns._dispatch import cpu_flags, cpu_model
 
 
@@ -78,3 +79,20 @@ def run_ranks(fn: Callable, world: int, *args) -> object:
         _rank_main, args=(world, port, q, fn, args), nprocs=world, start_method="forkserver"
     )
     return q.get()
+
+
+def counted_step(model, opt, x) -> dmuon.CommCounter:
+    """One training step on batch x under a `CommCounter`: phases "fwd+bwd" (until dmuon_fn's
+    gradients have landed) and "step" (with the HSDP publish); zero_grad after, uncounted."""
+    comm = dmuon.CommCounter()
+    with comm:
+        with comm.phase("fwd+bwd"):
+            model(x).backward()
+            if isinstance(opt, dmuon.Muon):
+                dmuon.wait_gradients(model)
+        with comm.phase("step"):
+            opt.step()
+            if isinstance(opt, dmuon.Muon):
+                opt.wait_publish()
+    opt.zero_grad()
+    return comm

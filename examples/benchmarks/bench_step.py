@@ -35,7 +35,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from _timing import machine, run_ranks
+from _timing import counted_step, machine, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -102,16 +102,8 @@ def _step(model, opt, x) -> dict[str, float]:
 
 def _counted(model, opt, x) -> dict:
     """One more step under `CommCounter`: calls by kind and bytes per rank, all and in step()."""
-    comm = dmuon.CommCounter()
     dist.barrier()
-    with comm:
-        with comm.phase("forward+backward"):
-            model(x).backward()
-            if isinstance(opt, dmuon.Muon):
-                dmuon.wait_gradients(model)
-        with comm.phase("step"):
-            opt.step()
-    opt.zero_grad()
+    comm = counted_step(model, opt, x)
     calls = Counter()
     for st in comm.stats.values():
         calls.update(st.calls)

@@ -38,7 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _timing import machine, run_ranks
+from _timing import counted_step, machine, run_ranks
 from bench_overlap import Stack
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -89,17 +89,7 @@ def _step(model, opt, x) -> tuple[float, float]:
 
 
 def _counted(model, opt, x) -> dict:
-    comm = dmuon.CommCounter()
-    with comm:
-        with comm.phase("fwd+bwd"):
-            model(x).backward()
-            if isinstance(opt, dmuon.Muon):
-                dmuon.wait_gradients(model)
-        with comm.phase("step"):
-            opt.step()
-            opt.zero_grad()
-            if isinstance(opt, dmuon.Muon):
-                opt.wait_publish()
+    comm = counted_step(model, opt, x)
     out = {}
     for ph in ("fwd+bwd", "step"):
         ops = comm.stats[ph].op_bytes
