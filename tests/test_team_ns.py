@@ -3,8 +3,8 @@ slice of the result equals that slice of one rank's `orthogonalize` of the whole
 iterates: to fp32 rounding; bf16: as close to the float64 polar factor as one rank's), on teams
 of 2 and 4 gloo ranks, wide and tall, uneven slices, a batch, both forms; the all-reduces are
 the formula's (one per standard step, one per Gram start and restart, m×m fp32 each; one
-all-gather of two scalars per member and matrix, and per standard step one of A²'s row blocks,
-which the members share); compiled with fullgraph, one graph."""
+all-gather of two scalars per member and matrix, and per standard step one of b·A + c·A²'s row
+blocks, which the members share); compiled with fullgraph, one graph."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_each_member_holds_its_slice_of_the_whole_result_fp32(team, method):
             assert rel_err(mine, ref) < 1e-5, (shape, dim, rank, rel_err(mine, ref))
             # the formula: m×m fp32 all-reduces, one per standard step / Gram (re)start; one
             # all-gather of two float64 per member and matrix, and per standard step one of
-            # A²'s row blocks (⌈m/k⌉ rows each)
+            # b·A + c·A²'s row blocks (⌈m/k⌉ rows each)
             nb = batch[0] if batch else 1
             reduces = 5 if method == "standard" else 1 + len(default_restarts(5))
             squares = 5 if method == "standard" else 0

@@ -107,21 +107,19 @@ def standard(
     rows: Sequence[Row],
     impl: str,
     gram_of: Callable[[Tensor], Tensor] | None = None,
-    square_of: Callable[[Tensor], Tensor] | None = None,
+    poly_of: Callable[[Tensor, float, float], Tensor] | None = None,
 ) -> Tensor:
     """Standard NS from the normalized X. gram_of: X·Xᵀ of the whole matrix when X is one
-    slice of it (a team's, proofs/team_ns.md), square_of: A² of that symmetric A (its row blocks
-    shared out); then each step is (a·I + b·A + c·A²)·X."""
+    slice of it (a team's, proofs/team_ns.md), poly_of(A, b, c): b·A + c·A² of that symmetric A
+    (its row blocks shared out); then each step is (a·I + b·A + c·A²)·X."""
     ns_step, _, syrk = ops(X)
     for a, b, c in rows:
         if gram_of is None:
             X = ns_step(X, a, b, c, impl=impl)
             continue
         A = gram_of(X)
-        if square_of is None:
-            B = syrk(A, A, c, b, impl=impl)  # A symmetric: A·Aᵀ = A²
-        else:
-            B = torch.add(A * b, square_of(A), alpha=c)
+        # A symmetric: A·Aᵀ = A²
+        B = syrk(A, A, c, b, impl=impl) if poly_of is None else poly_of(A, b, c)
         X = apply_q(B, a, X)
     return X
 

@@ -68,8 +68,8 @@ def orthogonalize_team(
     if method == "gram":
         X = gram(X, rows, restarts_of(cfg), impl, gram_of=gram_of)
     else:
-        square = functools.partial(_shared_square, group=group)
-        X = standard(X, rows, impl, gram_of=gram_of, square_of=square)
+        poly = functools.partial(_shared_poly, group=group)
+        X = standard(X, rows, impl, gram_of=gram_of, poly_of=poly)
     return (X.mT if dim == -2 else X).to(G.dtype)
 
 
@@ -85,14 +85,19 @@ def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:
     return X.div_((norm + eps).to(X.dtype)[..., None, None])
 
 
-def _shared_square(A: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """A·A for the symmetric m×m A every member holds: member r computes rows
-    [r·⌈m/k⌉, (r+1)·⌈m/k⌉) of it (A's row block times A, 2·m³/k FLOPs), one all-gather joins
-    them (the last block zero-padded to the others' height)."""
+def _shared_poly(A: Tensor, b: float, c: float, group: dist.ProcessGroup) -> Tensor:
+    """b·A + c·A·A for the symmetric m×m A every member holds: member r computes rows
+    [r·⌈m/k⌉, (r+1)·⌈m/k⌉) of it (one GEMM with the b·A rows in its accumulation, 2·m³/k
+    FLOPs), one all-gather joins them (the last block zero-padded to the others' height)."""
     k, me, m = dist.get_world_size(group), dist.get_rank(group), A.shape[-1]
     h = -(-m // k)
     lo, hi = min(me * h, m), min((me + 1) * h, m)
-    block = torch.matmul(A[..., lo:hi, :], A)
+    rows = A[..., lo:hi, :]
+    if A.dim() == 2:
+        block = torch.addmm(rows, rows, A, beta=b, alpha=c)
+    else:  # any batch dims, as one batch
+        r3, a3 = rows.reshape(-1, hi - lo, m), A.reshape(-1, m, m)
+        block = torch.baddbmm(r3, r3, a3, beta=b, alpha=c).reshape(rows.shape)
     if hi - lo < h:
         block = torch.nn.functional.pad(block, (0, 0, 0, h - (hi - lo)))
     return funcol.all_gather_single(block, A.dim() - 2, group)[..., :m, :]
