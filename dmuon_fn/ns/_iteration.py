@@ -109,18 +109,15 @@ def standard(
     gram_of: Callable[[Tensor], Tensor] | None = None,
     poly_of: Callable[[Tensor, float, float], Tensor] | None = None,
 ) -> Tensor:
-    """Standard NS from the normalized X. gram_of: X·Xᵀ of the whole matrix when X is one
-    slice of it (a team's, proofs/team_ns.md), poly_of(A, b, c): b·A + c·A² of that symmetric A
-    (its row blocks shared out); then each step is (a·I + b·A + c·A²)·X."""
-    ns_step, _, syrk = ops(X)
+    """Standard NS from the normalized X. For a team's slice of a matrix (proofs/team_ns.md),
+    gram_of gives the whole matrix's X·Xᵀ and poly_of(A, b, c) b·A + c·A² of it (both or
+    neither); each step is then (a·I + b·A + c·A²)·X."""
+    ns_step = ops(X)[0]
     for a, b, c in rows:
         if gram_of is None:
             X = ns_step(X, a, b, c, impl=impl)
-            continue
-        A = gram_of(X)
-        # A symmetric: A·Aᵀ = A²
-        B = syrk(A, A, c, b, impl=impl) if poly_of is None else poly_of(A, b, c)
-        X = apply_q(B, a, X)
+        else:
+            X = apply_q(poly_of(gram_of(X), b, c), a, X)
     return X
 
 
