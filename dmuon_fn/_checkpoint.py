@@ -196,17 +196,20 @@ def _part(e, t: torch.Tensor) -> torch.Tensor:
     """A dedicated tensor as saved (tensor parallelism: its part, a DTensor of the whole; a
     piece: its rows of the whole)."""
     if e is not None and e.whole is not None:
-        return _piece_of(t, e.offset, e.whole)
+        return _piece_of(t, e.offset, e.whole, e.dim)
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
-def _piece_of(t: torch.Tensor, at: int | None, whole: tuple[int, ...]) -> torch.Tensor:
-    """`t` as saved: a piece (`at` its offset) as `_Piece`, else (and 0-d step counts) itself."""
-    return t if at is None or t.ndim == 0 else _Piece.of(t, at, torch.Size(whole))
+def _piece_of(
+    t: torch.Tensor, at: int | None, whole: tuple[int, ...], dim: int = 0
+) -> torch.Tensor:
+    """`t` as saved: a piece (`at` its offset along `dim`) as `_Piece`, else (and 0-d step
+    counts) itself."""
+    return t if at is None or t.ndim == 0 else _Piece.of(t, at, torch.Size(whole), dim)
 
 
 class _Piece(torch.Tensor):
-    """Rows [offset, offset + len) along dim 0 of a tensor of shape `whole`, as DCP reads and
+    """[offset, offset + len) along one dim of a tensor of shape `whole`, as DCP reads and
     writes a chunk of a larger tensor (its checkpointable protocol, as DTensor's); it shares the
     piece's storage, so a load writes into it."""
 
@@ -214,9 +217,11 @@ class _Piece(torch.Tensor):
     _whole: torch.Size
 
     @staticmethod
-    def of(t: torch.Tensor, offset: int, whole: torch.Size) -> _Piece:
+    def of(t: torch.Tensor, offset: int, whole: torch.Size, dim: int = 0) -> _Piece:
         x = torch.Tensor._make_subclass(_Piece, t)
-        x._at, x._whole = torch.Size([offset] + [0] * (t.ndim - 1)), torch.Size(whole)
+        at = [0] * t.ndim
+        at[dim] = offset
+        x._at, x._whole = torch.Size(at), torch.Size(whole)
         return x
 
     def size(self, dim: int | None = None):  # what DCP checks against the saved size
@@ -253,8 +258,8 @@ def _state_keys(state: State, *, load: bool) -> Keys:
         shapes[f"model.{n}"] = fp.shape(n)
         shapes |= {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
         held = fp.view.held(n)
-        at = None if held in (None, n) else parse_piece(held)[1]  # a piece's offset
-        part = functools.partial(_piece_of, at=at, whole=fp.shape(n))
+        at = None if held in (None, n) else parse_piece(held).start  # a piece's offset
+        part = functools.partial(_piece_of, at=at, whole=fp.shape(n), dim=fp.cut_dim(n))
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
             sd[f"model.{n}"] = part(state.params[n])
         if fp.is_global_owner(n):

@@ -332,7 +332,7 @@ def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, tor
                 buf = get(x.param).detach().float().clone() if here else torch.empty(x.shape)
                 dist.broadcast(buf, src=(x.owner_replica * st.shard_size + x.owner_shard) * T)
                 bufs.append(buf)
-            out[n] = torch.cat(bufs).to(dtype)
+            out[n] = torch.cat(bufs, dim=x.dim).to(dtype)  # (pieces: along their dim)
             continue
         slot = e.owner_replica * st.shard_size + e.owner_shard
         here = st.is_global_owner(e)

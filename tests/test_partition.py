@@ -130,14 +130,18 @@ def test_every_parameter_has_exactly_one_owner_in_range(named, shards, reps):
     assert plan.names == tuple(units) and set(sliced) <= set(named)
     owned = [n for s in range(world) for n in owned_by(plan, s)]
     assert sorted(owned) == units
-    for n, pieces in sliced.items():  # contiguous cover of dim 0, one piece per shard column
-        bounds = [parse_piece(p)[1:] for p in pieces]
-        assert bounds[0][0] == 0 and bounds[-1][1] == named[n][0] and len(pieces) >= 2
+    for n, pieces in sliced.items():  # contiguous cover of the cut dim, one per shard column
+        d = parse_piece(pieces[0]).dim  # a batch's dim 0, or a team's long side
+        assert (d != 0 or max(named[n]) == named[n][0]) if n in plan.teams else d == 0
+        bounds = [parse_piece(p)[1:3] for p in pieces]
+        assert bounds[0][0] == 0 and bounds[-1][1] == named[n][d] and len(pieces) >= 2
         assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
         assert [plan.shapes[plan.names.index(p)] for p in pieces] == [
-            (b - a, *named[n][1:]) for a, b in bounds
+            (*named[n][:d], b - a, *named[n][d + 1 :]) for a, b in bounds
         ]
         assert len({plan.coords(plan.slot(p))[0] for p in pieces}) == len(pieces) <= shards
+        if n in plan.teams:  # a team's members are in one replica
+            assert len({plan.coords(plan.slot(p))[1] for p in pieces}) == 1
     for n in units:
         o = plan.owner(n)
         if reps == 1:
@@ -331,7 +335,7 @@ def test_gpt2_layers_spread_under_any_naming(prefix, world):
 def test_hsdp_spreads_layers_over_shard_columns_and_balances_column_bytes():
     named = {k: v for k, v in llama(layers=8, d=512, kv=128, ff=1792).items()
              if len(v) == 2 and k.startswith("model.layers")}  # fmt: skip
-    plan = partition(named, 64, replicate_size=8)
+    plan = partition(named, 64, replicate_size=8, slices=False)  # whole matrices
     assert layer_collisions(plan) == ()
     for layer in set(plan.layers):
         cols = [s % 8 for n, s, lay in zip(plan.names, plan.slots, plan.layers, strict=True)
@@ -356,8 +360,11 @@ def test_llama70b_plans_under_a_second_at_w512():
     t0 = time.process_time()
     plan = partition(named, 512)
     assert time.process_time() - t0 < 1.0
-    # 560 block matrices + embedding + head on 512 ranks: the head bounds the step.
-    assert max_load(plan) == max(plan.costs) and layer_collisions(plan) == ()
+    # 560 block matrices + embedding + head on 512 ranks: one owner each, the head bounds the
+    # step; teams share the head and the largest matrices, and the busiest slot is lighter
+    whole = partition(named, 512, slices=False)
+    assert max_load(whole) == max(whole.costs) and layer_collisions(whole) == ()
+    assert "lm_head.weight" in plan.teams and max_load(plan) < 0.8 * max_load(whole)
 
 
 # ---------------------------------------------------------------- cost model, the op

@@ -124,13 +124,15 @@ def test_cuts_are_near_equal_and_at_most_one_per_column(cost, mean, length, colu
     assert at[0] == 0 and at[-1] == length and 1 <= k <= min(length, columns)
     sizes = [b - a for a, b in itertools.pairwise(at)]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-    if k > 1:  # cut only what costs more than a fair share, into pieces of about a share
+    if k > 1:  # cut only what costs more than a fair share, into pieces of about half a share
         assert 0 < mean < cost and k - 1 < 2 * cost / mean  # k <= ⌈2·cost / mean⌉
 
 
 def test_piece_names_round_trip_and_reject_other_names():
-    assert parse_piece(piece_name("a.b[0:1].w", 8, 16)) == ("a.b[0:1].w", 8, 16)
-    for bad in ("a.w", "a.w[1:]", "a.w[01:3]", "a.w[2:0]"):
+    assert parse_piece(piece_name("a.b[0:1].w", 8, 16)) == ("a.b[0:1].w", 8, 16, 0)
+    assert piece_name("a.w", 8, 16, dim=1) == "a.w[:, 8:16]"
+    assert parse_piece("a.w[:, 8:16]") == ("a.w", 8, 16, 1)
+    for bad in ("a.w", "a.w[1:]", "a.w[01:3]", "a.w[2:0]", "a.w[:,8:16]"):
         with pytest.raises(ValueError, match="not a piece name"):
             parse_piece(bad)
 

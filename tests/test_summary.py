@@ -105,9 +105,8 @@ def test_summary_matches_the_plan(model, shards, reps, aspect):
     named, ew = model
     world = shards * reps
     convs = {n: "flatten" for n, sh in named.items() if len(sh) > 2 and n not in ew}
-    plan = partition(
-        named, world, replicate_size=reps, elementwise=ew, gram_min_aspect=aspect, blocks=convs
-    )
+    kw = {"elementwise": ew, "gram_min_aspect": aspect, "blocks": convs, "slices": False}
+    plan = partition(named, world, replicate_size=reps, **kw)  # whole matrices (teams: below)
     s = plan_summary(plan)
     assert (s.world_size, s.replicate_size, len(s.slots)) == (world, reps, world)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon_fn as dmuon
-from dmuon_fn.ns._cost import default_restarts
+from dmuon_fn.ns._cost import default_restarts, team_bytes
 from tests._dist import run_ranks
 from tests._tolerance import rel_err
 
@@ -84,6 +84,9 @@ def test_each_member_holds_its_slice_of_the_whole_result_fp32(team, method):
             assert booked["all_reduce"] == pytest.approx(reduces * 2 * share * 4 * m * m * nb)
             gathered = team * 16 * nb + squares * team * -(-m // team) * m * 4 * nb
             assert booked["all_gather_into_tensor"] == pytest.approx(share * gathered)
+            # the planner's count of the same (ns/_cost.py), per matrix of the batch
+            per = team_bytes(shape, team, method=method, itemsize=4)
+            assert sum(booked.values()) == pytest.approx(nb * per)
 
 
 def _bf16_run(rank, world):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,25 @@ def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     every = sorted({tuple(r) for r in all_gather_json(mine)})
     made = {r: dist.new_group(list(r), timeout=timeout, backend=backend) for r in every}
     return made[tuple(mine)]
+
+
+def team_groups(plan: Any, shard_rank: int, replica_rank: int) -> dict[str, dist.ProcessGroup]:
+    """{matrix: its team's group} for each team of `plan` (a `Plan`) this rank is a member of:
+    a new group over the members' global ranks (found by one all-gather of every rank's slot),
+    with the default group's backend. Collective over the world: every rank creates every
+    team's group, in the plan's order; {} without teams (no collective)."""
+    if not plan.teams:
+        return {}
+    rank_of = {
+        s: r for r, s in enumerate(all_gather_json(replica_rank * plan.shard_size + shard_rank))
+    }
+    out = {}
+    for name in plan.teams:
+        ranks = sorted(rank_of[plan.slot(p)] for p in plan.pieces(name))
+        group = dist.new_group(ranks, backend=dist.get_backend())
+        if dist.get_rank() in ranks:
+            out[name] = group
+    return out
 
 
 def _agree(value: object, send: bool, move: Callable[[torch.Tensor], list], group) -> list:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from custom_ops._collectives import broadcast_into
 
-from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase
+from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase, team_groups
 from ..ns._blocks import Blocks, block_shapes, model_blocks
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
@@ -39,6 +39,7 @@ def dedicate_params(
     reduce_dtype: torch.dtype | None = None,
     prefetch: int = 1,
     blocks: Mapping[str, Blocks | str] | None = None,
+    teams: Mapping[str, int] | None = None,
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
@@ -57,6 +58,9 @@ def dedicate_params(
     blocks: {name or fnmatch pattern: `Blocks` spec} for matrices made of several (experts,
         fused qkv, heads; ns/_blocks.py); default: conv weights one flattened matrix, other 3+-D
         parameters a batch of matrices over their leading dims.
+    teams: {name: k} puts a matrix on a team of k owners of its slices, which run its
+        Newton-Schulz together (`partition`'s; the planner gives the costliest matrices teams
+        by itself).
     Returns {name: owner}: the shard rank, or (shard, replica) under HSDP (tensor parallelism:
     the data coordinate; `plan.tensor_slot(name)` its root tensor rank).
     """
@@ -104,6 +108,7 @@ def dedicate_params(
         tensor_size=1 if tmesh is None else tmesh.size(),
         layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
         blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),
+        teams=teams,
     )
     split = [n for n, s in shapes.items() if len(s) >= 2 and _blocks(plan.blocks_of(n), s) > 1]
     split = [n for n in split if plan.tensor_slot(n) != LOCAL]  # (whole experts per rank: fine)
@@ -122,6 +127,7 @@ def dedicate_params(
     replica = 0 if replicate_mesh is None else replicate_mesh.get_local_rank()
     view = RankView(plan, mesh.get_local_rank(), replica)
     st = DedicatedState(view, *groups, reshard_after_forward, tp)
+    st.teams = team_groups(plan, view.shard_rank, replica)
     of_old: dict[int, list[Entry]] = {}  # id(the parameter replaced) -> its entries (pieces)
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)
@@ -130,14 +136,14 @@ def dedicate_params(
         for piece in pieces:
             part, e_names = old, names
             if len(pieces) > 1:
-                a, b = parse_piece(piece)[1:]
-                part, e_names = old[a:b], (piece,)
+                _, a, b, dim = parse_piece(piece)
+                part, e_names = old.narrow(dim, a, b - a), (piece,)
             owner, device = st.view.coords(piece), _mesh_device(mesh, old.device)
             e = Entry(
                 piece, tuple(e_names), part.shape, dt, reduce_dtype or dt, *owner, part, device
             )
             if len(pieces) > 1:
-                e.offset, e.whole = a, old.shape
+                e.offset, e.dim, e.whole = a, dim, old.shape
             if tp is not None:
                 e.tp = make_layout(p, tp, plan.tensor_slot(names[0]))
             e.param = _held(st, e, part, old.requires_grad)
@@ -209,10 +215,13 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     fsdp.set_requires_gradient_sync(model, requires_gradient_sync)
 
 
-def plan_summary(source: object, *, gemm_flops: float | None = None) -> PlanSummary:
+def plan_summary(
+    source: object, *, gemm_flops: float | None = None, bandwidth: float | None = None
+) -> PlanSummary:
     """The readable plan of a model prepared by `dedicate_params`, of an `FnPlan` or of a `Plan`.
     gemm_flops: one device's GEMM FLOP/s in the NS iteration dtype (`measure_gemm_flops()`, or
-    e.g. 4e14 for an H100 in bf16) adds the busiest rank's Newton-Schulz seconds per step."""
+    e.g. 4e14 for an H100 in bf16) adds the busiest rank's Newton-Schulz seconds per step;
+    bandwidth: the bytes/s of a team's collectives (e.g. 4e11) adds them to the seconds."""
     if isinstance(source, nn.Module):
         source = dedicated_state(source, required=True).plan
-    return _summarize(source, gemm_flops=gemm_flops)
+    return _summarize(source, gemm_flops=gemm_flops, bandwidth=bandwidth)

@@ -67,21 +67,23 @@ class _Gather(torch.autograd.Function):
         return torch.ones(1, dtype=torch.float64, device="cpu"), None, None
 
 
-def _cat(values: list[Tensor]) -> Tensor:
-    return values[0] if len(values) == 1 else torch.cat(values)
+def _cat(values: list[Tensor], es: list[Entry] | tuple[Entry, ...]) -> Tensor:
+    """A parameter from its pieces' values (entries `es`), joined along the dim it is cut."""
+    return values[0] if len(values) == 1 else torch.cat(values, dim=es[0].dim)
 
 
 def _value(group: list[Slot]) -> Tensor:
     """A parameter's full value from its slots (a sliced one's pieces concatenated); compiled,
     dmuon::param_gather per slot, which Z3 recomputes in backward (with the concatenation)
     instead of saving."""
-    if not torch.compiler.is_compiling():
-        return _cat([slot.value() for slot in group])
     es = [slot.e for slot in group]
+    if not torch.compiler.is_compiling():
+        return _cat([slot.value() for slot in group], es)
 
     def gather(*hs: Tensor) -> Tensor:
         op = torch.ops.dmuon.param_gather
-        return _cat([op(h, list(e.shape), e.dtype, e.device) for h, e in zip(hs, es, strict=True)])
+        values = [op(h, list(e.shape), e.dtype, e.device) for h, e in zip(hs, es, strict=True)]
+        return _cat(values, es)
 
     handles = [slot.handle for slot in group]
     if group[0].st.reshard_after_forward:
@@ -141,7 +143,7 @@ class _Z3Saver:
         unit, i, size, stride, offset = x
         with torch.no_grad():
             flight = self.st.scheduler.regather(unit)
-            base = flight.flats[i] if isinstance(i, int) else _cat([flight.value(e) for e in i])
+            base = flight.flats[i] if isinstance(i, int) else _cat([flight.value(e) for e in i], i)
         return base.as_strided(size, stride, offset)
 
 
@@ -189,7 +191,7 @@ def _eager(fn):
 def _module_hooks(
     module: nn.Module, slots: list[tuple[str, list[Slot]]], st: DedicatedState
 ) -> None:
-    """Set each attribute's value (its slots' (of one unit), pieces concatenated along dim 0) as
+    """Set each attribute's value (its slots' (of one unit), pieces joined along their dim) as
     instance attributes around every forward of `module`; compiled, each module issues the whole
     unit's gathers (dmuon::gather_start)."""
     unit = slots[0][1][0].unit

@@ -198,7 +198,9 @@ class Muon(torch.optim.Optimizer):
         state = {k: fsdp.local(v) for k, v in self.state[p].items()}
         lp, g, pure = fsdp.local(p), fsdp.local(p.grad), state_from(KINDS[kind], state)
         blocks = None if e is None else self.st.plan.blocks_of(e.name)
-        new, s = param_update(kind, lp, g, pure, group, adjust_lr=adjust, ns=self.ns, blocks=blocks)
+        team = None if e is None else self.st.team(e)
+        kw = {"adjust_lr": adjust, "ns": self.ns, "blocks": blocks, "team": team}
+        new, s = param_update(kind, lp, g, pure, group, **kw)
         if kind == "muon":
             self.ns_calls += 1
             self.ns_blocks += block_count(blocks, lp.shape)

@@ -21,7 +21,9 @@ from custom_ops._collectives import broadcast_start as issue_broadcast
 
 from ..comm._counters import blocked
 from ..comm._mesh import phase
+from ..ns._team import Team
 from ..planning._partition import RankView
+from ..planning._slices import parse_piece
 from ..tp._layout import TensorLayout, TensorMesh
 
 STATE_ATTR = "_dmuon_state"
@@ -53,7 +55,8 @@ class Entry:
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
     device: torch.device  # param's: compiled hooks read this, never `param`
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
-    offset: int = 0  # a piece (planning/_slices.py): its first index along its parameter's dim 0
+    offset: int = 0  # a piece (planning/_slices.py): its first index along its parameter's `dim`
+    dim: int = 0  # a piece: the dim its parameter is cut along (a team's: its long side)
     whole: torch.Size | None = None  # a piece: its parameter's shape
     holder: nn.Parameter | None = None  # a piece: the parameter its module holds on this rank
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
@@ -133,6 +136,12 @@ class DedicatedState:
     entries: list[Entry] = field(default_factory=list)
     by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
     scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_hooks.install
+    teams: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # matrix -> my team's
+
+    def team(self, e: Entry) -> Team | None:
+        """What `e` (a piece of a team this rank is in) passes `orthogonalize_team`, else None."""
+        group = self.teams.get(parse_piece(e.name).param) if e.whole is not None else None
+        return None if group is None else Team(group, tuple(e.whole), e.dim - 2)
 
     plan = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)

@@ -1,6 +1,6 @@
 """The functional face's collectives: a gather of parameters or a reduce of gradients is one
 owner op over the shard group, an entry per piece (a parameter not sliced is its one piece), the
-pieces of a sliced parameter concatenated along dim 0 after a gather (proofs/step_notes.md)."""
+pieces of a sliced parameter concatenated along their dim after a gather (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def local_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
 
 def joined(pieces, outs, fn_plan, gathered: bool) -> dict[str, torch.Tensor]:
     """Per parameter, from its pieces' outputs (a token after them ignored): gathered, their
-    concatenation along dim 0; reduced, the one this rank holds (else the first, 0-size)."""
+    concatenation along the dim it is cut; reduced, the one this rank holds (else the first,
+    0-size)."""
     by: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for (n, p, _, _), out in zip(pieces, outs[: len(pieces)], strict=True):
         by.setdefault(n, []).append((p, out))
     if gathered:
-        return {n: v[0][1] if len(v) == 1 else torch.cat([o for _, o in v]) for n, v in by.items()}
+        cat = lambda n, v: torch.cat([o for _, o in v], fn_plan.cut_dim(n))  # noqa: E731
+        return {n: v[0][1] if len(v) == 1 else cat(n, v) for n, v in by.items()}
     held = fn_plan.view.is_local_owner
     return {n: next((o for p, o in v if held(p)), v[0][1]) for n, v in by.items()}
 
@@ -71,7 +73,7 @@ def reduce_grads(grads, names, fn_plan, token=None, after=None, start=False):
     zeros shaped like the local slot elsewhere, in one op; token and start as `gather_params`'s."""
     pieces = fn_plan.pieces(names)
     values = [
-        fn_plan.summed(grads[n].narrow(0, a, b - a) if p != n else grads[n])
+        fn_plan.summed(grads[n].narrow(fn_plan.cut_dim(n), a, b - a) if p != n else grads[n])
         for n, p, a, b in pieces
     ]
     routes = [fn_plan.route(p) for _, p, _, _ in pieces]

@@ -10,10 +10,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm._mesh import check_dtypes, check_meshes
+from ..comm._mesh import check_dtypes, check_meshes, team_groups
 from ..dedicated import _fsdp_adapter as fsdp
 from ..ns._blocks import Blocks, model_blocks
 from ..ns._dispatch import agreed_aspect, gram_min_aspect
+from ..ns._team import Team
 from ..planning._check import check_plan_consistent
 from ..planning._partition import RankView, partition
 from ..planning._slices import parse_piece
@@ -33,6 +34,7 @@ class FnPlan:
     rep_group: str
     param_dtype: torch.dtype | None = None  # what is gathered and computed with
     reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
+    teams: tuple[tuple[str, dist.ProcessGroup], ...] = ()  # (matrix, group) per team I am in
 
     partition = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)
@@ -55,8 +57,18 @@ class FnPlan:
         for n in names:
             ps = self.partition.pieces(n)
             whole = (n, n, 0, self.shape(n)[0] if self.shape(n) else 1)
-            out += [whole] if len(ps) == 1 else [(n, p, *parse_piece(p)[1:]) for p in ps]
+            out += [whole] if len(ps) == 1 else [(n, p, *parse_piece(p)[1:3]) for p in ps]
         return out
+
+    def cut_dim(self, name: str) -> int:
+        """The dim parameter `name`'s pieces are cut along (0 if it is whole)."""
+        ps = self.partition.pieces(name)
+        return 0 if len(ps) == 1 else parse_piece(ps[0]).dim
+
+    def team(self, name: str) -> Team | None:
+        """What this rank's piece of `name` passes `orthogonalize_team`, if on a team with it."""
+        group = dict(self.teams).get(name)
+        return None if group is None else Team(group, self.shape(name), self.cut_dim(name) - 2)
 
     def held_shape(self, name: str) -> tuple[int, ...]:
         """The shape of what this rank holds of parameter `name` ((0,) if nothing)."""
@@ -92,6 +104,7 @@ def plan(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     blocks: Mapping[str, Blocks | str] | None = None,
+    teams: Mapping[str, int] | None = None,
 ) -> FnPlan:
     """Plan ownership of every parameter of `model` (`named_parameters()` order); mesh None: one
     process. predicate(name, param) picks the Muon matrices (default: 2+ dims), the rest AdamW.
@@ -100,7 +113,8 @@ def plan(
     `reduce_dtype` (default param_dtype); None: the model dtype throughout, no master.
     blocks: {name or fnmatch pattern: `Blocks` spec} for matrices made of several (experts,
     fused qkv, heads); default: conv weights one flattened matrix, other 3+-D parameters a
-    batch of matrices over their leading dims (ns/_blocks.py)."""
+    batch of matrices over their leading dims (ns/_blocks.py). teams: {name: k} puts a matrix
+    on a team of k (`partition`'s)."""
     check_dtypes(param_dtype, reduce_dtype)
     named = list(model.named_parameters())
     if not named:
@@ -130,11 +144,22 @@ def plan(
     adamw = [n for n in shapes if n not in muon]
     specs = model_blocks(model, sorted(muon), blocks)
     part = partition(
-        shapes, G * R, replicate_size=R, elementwise=adamw, gram_min_aspect=aspect, blocks=specs
+        shapes,
+        G * R,
+        replicate_size=R,
+        elementwise=adamw,
+        gram_min_aspect=aspect,
+        blocks=specs,
+        teams=teams,
     )
+    mine = {}
     if dist.is_initialized() and G * R > 1:
         check_plan_consistent(part)
+        mine = team_groups(part, shard_rank, rep_rank)
     names, shapes = tuple(shapes), tuple(shapes.values())
     trainable = frozenset(n for n, p in named if p.requires_grad)
     view = RankView(part, shard_rank, rep_rank)
-    return FnPlan(names, shapes, muon, trainable, view, group, rep_group, param_dtype, reduce_dtype)
+    return FnPlan(
+        *(names, shapes, muon, trainable, view, group, rep_group, param_dtype, reduce_dtype),
+        tuple(sorted(mine.items())),
+    )

@@ -55,7 +55,7 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
     for name in fn_plan.names:
         whole, pieces = named[name].detach(), fn_plan.pieces([name])
         held = [
-            whole[a:b]
+            whole.narrow(fn_plan.cut_dim(name), a, b - a)
             for _, p, a, b in pieces
             if len(pieces) > 1 and fn_plan.view.is_local_owner(p)
         ]
@@ -148,6 +148,7 @@ def update(
             adjust_lr=cfg.adjust_lr,
             ns=cfg.ns,
             blocks=p_.partition.blocks_of(n),
+            team=p_.team(n),
         )
         params[n] = guard.keep(ok, new, params[n])
         opt[n] = type(s)(*(guard.keep(ok, a, b) for a, b in zip(s, opt[n], strict=True)))

@@ -60,3 +60,61 @@ def ns_flops(
         total += 0.0 if first else sym_nn  # Q' = P·Q
         total += 0.0 if last else 2 * sym_nn  # R' = P·(P·R)
     return batch * total
+
+
+def team_form(
+    shape: tuple[int, ...] | list[int],
+    k: int,
+    method: str = "auto",
+    min_aspect: float = GRAM_MIN_ASPECT,
+) -> str:
+    """The form a team of `k` runs on one matrix of `shape` cut along its long side: chosen for
+    a member's share ⌈long/k⌉ against the short side m, a share below m counting as m (the
+    Gram form's m×m iteration never shrinks; `orthogonalize_team`)."""
+    short, long = sorted(shape[-2:])
+    return ns_method((short, max(-(-long // k), short)), method, min_aspect)
+
+
+def team_flops(
+    shape: tuple[int, ...] | list[int],
+    share: int,
+    k: int,
+    *,
+    steps: int = 5,
+    method: str = "auto",
+    restarts: Collection[int] | None = None,
+    sym_discount: float = 0.5,
+    min_aspect: float = GRAM_MIN_ASPECT,
+) -> float:
+    """FLOPs one member of a team of `k` runs for its `share` of `shape`'s long side: the Gram
+    form's m×m iteration whole on every member, the standard form's X_i·X_iᵀ and B·X_i on the
+    share and a ⌈m/k⌉-row block of b·A + c·A² (proofs/team_ns.md claim 5)."""
+    m = min(shape[-2:])
+    form = team_form(shape, k, method, min_aspect)
+    if form == "gram":
+        return ns_flops(
+            (m, share), steps=steps, method="gram", restarts=restarts, sym_discount=sym_discount
+        )
+    return steps * (2.0 * m * m * share * (sym_discount + 1.0) + 2.0 * -(-m // k) * m * m)
+
+
+def team_bytes(
+    shape: tuple[int, ...] | list[int],
+    k: int,
+    *,
+    steps: int = 5,
+    method: str = "auto",
+    restarts: Collection[int] | None = None,
+    min_aspect: float = GRAM_MIN_ASPECT,
+    itemsize: int = 2,
+) -> float:
+    """Bytes a member of a team of `k` sends and receives per call, as `CommCounter` books them
+    (ring all-reduce 2·(k-1)/k of its size, all-gather (k-1)/k of its output): the normalizing
+    all-gather of 2 float64, an m×m fp32 all-reduce per standard step or Gram (re)start, and per
+    standard step the all-gather of B's ⌈m/k⌉-row blocks in the iteration dtype (`itemsize`)."""
+    m, share = min(shape[-2:]), (k - 1) / k
+    rs = default_restarts(steps) if restarts is None else restarts
+    standard = team_form(shape, k, method, min_aspect) == "standard"
+    reduces = steps if standard else 1 + len(set(rs))
+    gathered = 16 * k + (steps * k * -(-m // k) * m * itemsize if standard else 0)
+    return share * (reduces * 2 * 4 * m * m + gathered)

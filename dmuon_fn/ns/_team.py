@@ -7,6 +7,7 @@ slice; the normalization needs max|X| and ‖X‖_F, from one all-gather of two 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,15 @@ from torch import Tensor
 
 from ._iteration import gram, ops, schedule, standard
 from ._orthogonalize import NSConfig, iteration, restarts_of
+
+
+class Team(NamedTuple):
+    """A team member's part in one matrix's Newton-Schulz: the team's group, the whole matrix's
+    shape, and the dim (-2: rows, -1: columns) the matrix is cut along."""
+
+    group: dist.ProcessGroup
+    shape: tuple[int, int]
+    dim: int
 
 
 def orthogonalize_team(
@@ -54,8 +64,9 @@ def orthogonalize_team(
     src = G.mT if dim == -2 else G  # the slice along the last dim; its rows are W's short side
     dt = torch.promote_types(G.dtype, torch.float32)
     # the form for a member's share of the long side, the same on every member: Gram's m×m
-    # products are every member's, standard's shrink with the share (proofs/team_ns.md)
-    share = -(-full[dim] // dist.get_world_size(group))
+    # products are every member's, standard's shrink with the share (proofs/team_ns.md); a
+    # share below m counts as m (`team_form`)
+    share = max(-(-full[dim] // dist.get_world_size(group)), full[other])
     it, impl, method = iteration(cfg, G, (full[other], share))
     X = _normalize(src.to(dt), cfg.eps, group).to(it, memory_format=torch.contiguous_format)
     syrk = ops(X)[2]

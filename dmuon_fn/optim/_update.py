@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..ns._blocks import Blocks, block_shapes, check, orthogonalize_blocks
 from ..ns._orthogonalize import NSConfig, orthogonalize_with
+from ..ns._team import Team, orthogonalize_team
 
 Scalar = float | Tensor
 
@@ -79,10 +80,13 @@ def muon_update(
     adjust_lr: str = "match_rms_adamw",
     ns: NSConfig = NSConfig(),  # noqa: B008  (frozen, immutable)
     blocks: Blocks | str | None = None,
+    team: Team | None = None,
 ) -> tuple[Tensor, MuonState]:
     """One Muon step for one matrix parameter: (new param, new state). blocks: how the
     parameter is made of matrices (`Blocks` or its string, ns/_blocks.py): each block is
-    orthogonalized on its own and scaled by its own shape; None: trailing dims flattened."""
+    orthogonalized on its own and scaled by its own shape; None: trailing dims flattened.
+    team: `param` is this member's slice of a matrix a team orthogonalizes together
+    (`orthogonalize_team`; every member calls this in the same order), scaled by the whole's."""
     if param.dim() < 2:
         raise ValueError(
             f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
@@ -91,10 +95,13 @@ def muon_update(
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
     u, new_state = muon_momentum(grad, state, momentum=momentum, nesterov=nesterov)
+    hyper = {"lr": lr, "weight_decay": weight_decay, "adjust_lr": adjust_lr}
+    if team is not None:
+        O = orthogonalize_team(u, team.group, team.shape, dim=team.dim, cfg=ns)
+        return muon_apply(param, O, **hyper, shape=team.shape), new_state
     spec = None if blocks is None else check(blocks, param.shape, "the parameter")
     parts = [(1, (param.shape[0], param.numel() // param.shape[0]))]  # None: one flat matrix
     parts = parts if spec is None else block_shapes(spec, param.shape)
-    hyper = {"lr": lr, "weight_decay": weight_decay, "adjust_lr": adjust_lr}
     if len(parts) > 1:  # blocks of several shapes: each scaled by its own
         O = orthogonalize_blocks(u, spec, ns, scale=lambda m, n: lr_scale((m, n), adjust_lr))
         return muon_apply(param, O, **hyper, scale=1.0), new_state
@@ -192,11 +199,14 @@ def param_update(
     adjust_lr: str,
     ns: NSConfig,
     blocks: Blocks | str | None = None,
+    team: Team | None = None,
 ) -> tuple[Tensor, MuonState | AdamWState]:
     """One parameter's step (both faces'): `group` holds its kind's hyperparameters as
-    `Config.groups()` names them (lr and weight_decay may be 0-d tensors); blocks: Muon's."""
+    `Config.groups()` names them (lr and weight_decay may be 0-d tensors); blocks, team:
+    Muon's."""
     if kind == "muon":
         hyper = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov")}
-        return muon_update(param, grad, state, **hyper, adjust_lr=adjust_lr, ns=ns, blocks=blocks)
+        kw = {"adjust_lr": adjust_lr, "ns": ns, "blocks": blocks, "team": team}
+        return muon_update(param, grad, state, **hyper, **kw)
     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
     return adamw_update(param, grad, state, **hyper)

@@ -21,9 +21,9 @@ from custom_ops._lpt import SPREAD_TOLERANCE, schedule
 from custom_ops._lpt import slot_loads as per_slot_sums
 
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
-from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method
+from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method, team_bytes, team_flops
 from ._layers import layer_keys
-from ._slices import cuts, piece_name, spread_columns
+from ._slices import cuts, parse_piece, piece_name, spread_columns, team_cuts
 from ._tensor import LOCAL, keeps_matrices
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
@@ -59,6 +59,10 @@ class Plan:
     # (parameter, its pieces' names in order along dim 0) per sliced parameter, by name; the
     # pieces stand in `names` for the parameter (planning/_slices.py)
     sliced: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # the sliced parameters whose pieces are a team (one matrix cut along its long side), by
+    # name; per plan name, a team member's collective bytes per step (proofs/team_ns.md claim 5)
+    teams: tuple[str, ...] = ()
+    team_bytes: tuple[float, ...] = ()
 
     @property
     def shard_size(self) -> int:
@@ -100,6 +104,11 @@ class Plan:
                 return ps
         return (name,)
 
+    def team(self, name: str) -> tuple[str, ...]:
+        """The pieces of parameter `name` if they are a team (its matrix cut along its long
+        side, orthogonalized together), else ()."""
+        return self.pieces(name) if name in self.teams else ()
+
     def tensor_slot(self, name: str) -> int:
         """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP; LOCAL:
         each tensor rank its own part, whole matrices)."""
@@ -125,6 +134,8 @@ class Plan:
         if self.tensor_slots or self.layouts:
             body["tensor_size"] = self.tensor_size
             body["tensor"] = [list(x) for x in zip(self.layouts, self.tensor_slots, strict=True)]
+        if self.teams:
+            body["teams"] = list(self.teams)
         if any(b is not None and b != Blocks() for b in self.blocks):
             body["blocks"] = [str(b) if b is not None else "" for b in self.blocks]
         return json.dumps(body, separators=(",", ":"), ensure_ascii=True)
@@ -188,6 +199,8 @@ def partition(
     layouts: Mapping[str, str] | None = None,
     blocks: Mapping[str, Blocks | str] | None = None,
     slices: bool = True,
+    teams: Mapping[str, int] | None = None,
+    _per_share: int = 2,
 ) -> Plan:
     """One owner slot per parameter of `named_shapes` ({name: shape} or pairs), costs balanced.
 
@@ -206,8 +219,15 @@ def partition(
         matrices over its leading dims (pass "flatten" for conv weights), a 2-D one one matrix.
     slices: a batch of matrices costing more than a slot's fair share (the mean load) is cut
         along its leading dim into pieces `name[a:b]` on distinct shard columns (`Plan.sliced`);
-        False: every parameter whole (as always under tensor parallelism).
+        False: every parameter whole (as always under tensor parallelism). A matrix costing
+        more than a share gets a team (proofs/partition.md §10): k owners of slices along its
+        long side that run its Newton-Schulz together, k chosen by the cost model (its
+        all-reduces charged at `flops_per_byte`); slices and teams are kept only where they
+        lighten the busiest slot.
+    teams: {name: k} puts a one-matrix parameter on a team of k (2 <= k <= shard columns),
+        whatever it costs, or (k = 1) keeps it whole (with `slices`).
     """
+    options = {k: v for k, v in locals().items() if k in _OPTIONS}
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
     if world_size % replicate_size:
@@ -223,6 +243,10 @@ def partition(
         _check(key, val, lambda v: 0 <= v < math.inf, "finite and >= 0")
     _check("gram_min_aspect", gram_min_aspect, lambda v: v >= 1.0, ">= 1 (inf: never Gram)")
     tensor_size = _check_int("tensor_size", tensor_size, 1)
+    if teams and not (slices and tensor_size == 1 and layouts is None):
+        raise ValueError("teams needs slices=True and no tensor parallelism (TP plans are whole)")
+    if teams and max(teams.values(), default=1) != 1 and world_size // replicate_size < 2:
+        raise ValueError("teams of 2 or more need 2 or more shard columns")
     names, shapes = zip(*_pairs(named_shapes), strict=True)
     if layouts is not None and set(layouts) != set(names):
         raise ValueError("layouts must name exactly the parameters of named_shapes")
@@ -244,27 +268,69 @@ def partition(
         return flops_per_byte * math.prod(shape) * bytes_per_elem
 
     sliced: dict[str, tuple[str, ...]] = {}
+    member_of: dict[str, tuple[tuple[int, ...], int]] = {}  # a team's piece -> (matrix, k)
+
+    def member(sh: tuple[int, ...], share: int, k: int) -> float:  # a team member's cost
+        flops = team_flops(sh, share, k, **ns_kw, min_aspect=gram_min_aspect)
+        comm = team_bytes(sh, k, steps=steps, method=method, min_aspect=gram_min_aspect)
+        return flops + byte_cost(sh) * share / max(sh) + flops_per_byte * comm
+
     if slices and world_size // replicate_size > 1 and tensor_size == 1 and layouts is None:
         costs = [ns_of(b, sh) + byte_cost(sh) for b, sh in zip(specs, shapes, strict=True)]
         mean = math.fsum(costs) / world_size
-        rows = []
-        for n, sh, m, b, c in zip(names, shapes, matrix, specs, costs, strict=True):
-            at = cuts(c, mean, sh[0], world_size // replicate_size) if b and b.batch else [0, 1]
+        columns, rows = world_size // replicate_size, []
+        asked = _asked(teams or {}, names, shapes, specs, columns)  # k = 1: one owner
+        big = [
+            i
+            for i, b in enumerate(specs)
+            if b == Blocks() and costs[i] > mean and names[i] not in (teams or {})
+        ]
+        plans = [
+            _teams_for(shapes, costs, big, world_size, u, columns, member)
+            for u in _units(mean, max(costs))
+        ]
+        chosen = min(plans, key=lambda t: t[0])[1] if big else {}
+        chosen |= {i: cut for i, cut in asked.items() if len(cut[1]) > 2}
+        for i, (n, sh, m, b, c) in enumerate(zip(names, shapes, matrix, specs, costs, strict=True)):
+            dim, at = chosen.get(i, (0, [0, 1]))
+            if b and b.batch:
+                at = cuts(c, mean, sh[0], columns, _per_share)
             if len(at) == 2:
                 rows.append((n, sh, m, b))
                 continue
             spans = list(itertools.pairwise(at))
-            sliced[n] = tuple(piece_name(n, a, z) for a, z in spans)
-            rows += [
-                (p, (z - a, *sh[1:]), m, b) for p, (a, z) in zip(sliced[n], spans, strict=True)
-            ]
+            sliced[n] = tuple(piece_name(n, a, z, dim) for a, z in spans)
+            for p, (a, z) in zip(sliced[n], spans, strict=True):
+                part = (*sh[:dim], z - a, *sh[dim + 1 :])
+                rows.append((p, part, m, b))
+                if not b.batch:
+                    member_of[p] = (sh, len(spans))
         rows.sort(key=lambda r: r[0])
         parent = {p: n for n, ps in sliced.items() for p in ps}
         keys = {p: keys[parent.get(p, p)] for p, *_ in rows}
         names, shapes, matrix, specs = (tuple(col) for col in zip(*rows, strict=True))
         nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
-    ns = [ns_of(b, sh) for b, sh in zip(specs, shapes, strict=True)]
-    costs = [f + byte_cost(sh) for f, sh in zip(ns, shapes, strict=True)]
+    ns = [
+        team_flops(
+            member_of[n][0],
+            math.prod(sh) // min(member_of[n][0]),
+            member_of[n][1],
+            **ns_kw,
+            min_aspect=gram_min_aspect,
+        )
+        if n in member_of
+        else ns_of(b, sh)
+        for n, b, sh in zip(names, specs, shapes, strict=True)
+    ]
+    comm = [  # a team member's all-reduces and all-gathers, charged as bytes
+        team_bytes(*member_of[n], steps=steps, method=method, min_aspect=gram_min_aspect)
+        if n in member_of
+        else 0.0
+        for n in names
+    ]
+    costs = [
+        f + byte_cost(sh) + flops_per_byte * c for f, sh, c in zip(ns, shapes, comm, strict=True)
+    ]
 
     # Units in order of their first name: each matrix alone, a layer's other params together.
     by_unit: dict[int | str, list[int]] = defaultdict(list)
@@ -287,7 +353,8 @@ def partition(
             slots[i] = s
     index = {n: i for i, n in enumerate(names)}
     pieces = [[index[p] for p in ps] for ps in sliced.values()]
-    spread_columns(pieces, slots, costs, world_size, world_size // replicate_size)
+    is_team = [ps[0] in member_of for ps in sliced.values()]
+    spread_columns(pieces, slots, costs, world_size, world_size // replicate_size, is_team)
     loads: list[list[float]] = [[] for _ in range(world_size)]
     for i, s in enumerate(slots):
         loads[s].append(costs[i])  # fsum'd: exact in any order
@@ -298,7 +365,7 @@ def partition(
         local = [keeps_matrices(lay, b) for lay, b in zip(layout, specs, strict=True)]
         tensor_slots = _tensor_slots(slots, ns, tensor_size, local)
 
-    return Plan(
+    plan = Plan(
         names=names,
         shapes=shapes,
         slots=tuple(slots),
@@ -316,7 +383,75 @@ def partition(
         layouts=layout,
         blocks=tuple(specs),
         sliced=tuple(sorted(sliced.items())),
+        teams=tuple(sorted({parse_piece(p).param for p in member_of})),
+        team_bytes=tuple(comm),
     )
+    if not sliced:
+        return plan
+    # slices and teams are kept only where they lighten the busiest slot, batches cut into pieces
+    # of about 1/2 or 1/4 of a share, whichever is lighter (proofs/partition.md §9)
+    if teams or _per_share != 2:  # asked for, or one of the candidates below
+        return plan
+    whole = partition(named_shapes, world_size, **options, slices=False)
+    finer = partition(named_shapes, world_size, **options, _per_share=4)
+    return min((plan, finer, whole), key=lambda p: max(p.slot_loads))  # ties: the first
+
+
+_OPTIONS = (  # partition's keywords but `slices` and `teams`
+    *("replicate_size", "elementwise", "steps", "method", "sym_discount", "bytes_per_elem"),
+    *("flops_per_byte", "refine", "spread_tolerance", "gram_min_aspect", "tensor_size"),
+    *("layouts", "blocks"),
+)
+
+
+def _asked(teams, names, shapes, specs, columns) -> dict[int, tuple[int, list[int]]]:
+    """{index: (dim, boundaries)} of the teams `teams` ({name: k}) asks for."""
+    out = {}
+    for n, k in teams.items():
+        i = names.index(n) if n in names else -1
+        ok = i >= 0 and specs[i] == Blocks() and isinstance(k, int) and 1 <= k <= columns
+        if not ok or k > max(shapes[i]):
+            raise ValueError(
+                f"teams[{n!r}] = {k!r}: a team is 2..{columns} (the shard columns) owners of one "
+                "matrix Muon updates (2-D, no blocks spec), at most its long side; 1: one owner"
+            )
+        one = (0, [0, shapes[i][0]])
+        out[i] = one if k == 1 else team_cuts(shapes[i], 0.5, k + 1, lambda a, j, k=k: j != k)
+    return out
+
+
+def _units(mean: float, top: float) -> list[float]:
+    """The member costs a plan's teams are tried at: from `top` (the largest matrix's) down to
+    1/16 of a slot's fair share, by factors of √2."""
+    out = [mean / 16]
+    while out[-1] < top:
+        out.append(out[-1] * math.sqrt(2))
+    return out
+
+
+def _teams_for(shapes, costs, big, world_size, unit, columns, member):
+    """(estimated busiest load, {index: (dim, boundaries)}) with the matrices `big` on teams
+    whose members cost at most `unit` where they can: the busiest slot carries at least the new
+    mean and the largest unit, and LPT tops that by about a quarter unit (an estimate, compared
+    across `unit`s; proofs/partition.md §10)."""
+    out, total, largest = {}, math.fsum(costs), 0.0
+    seen: dict[tuple[int, ...], tuple[int, list[int], float, float]] = {}
+    for i in big:
+        sh = shapes[i]
+        if sh not in seen:
+            dim, at = team_cuts(sh, unit, columns, lambda a, k, sh=sh: member(sh, a, k))
+            k = len(at) - 1
+            spans = itertools.pairwise(at)
+            added = math.fsum(member(sh, b - a, k) for a, b in spans) - costs[i]
+            seen[sh] = (dim, at, added, member(sh, -(-sh[dim] // k), k))
+        dim, at, added, most = seen[sh]
+        if len(at) == 2:
+            largest = max(largest, costs[i])
+            continue
+        out[i] = (dim, at)
+        total += added
+        largest = max(largest, most)
+    return max(largest, total / world_size) + largest / 4, out
 
 
 def _specs(names, shapes, matrix, given: Mapping[str, Blocks | str]) -> list[Blocks | None]:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from ..comm._mesh import check_dtype
+from ..ns._cost import ns_flops
 from ..ns._dispatch import iteration_dtype, race
 from ..ns._orthogonalize import _default_device
 from ._partition import Plan, _check, _check_int
+from ._slices import parse_piece
 from ._tensor import tensor_shares
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
@@ -36,6 +38,7 @@ class SlotSummary:
     largest_shape: tuple[int, ...] | None
     largest_ns_flops: float
     tensor_ns_flops: tuple[float, ...] = ()  # per tensor rank of the slot; () without TP
+    team_bytes: float = 0.0  # what its team members send and receive per step (CommCounter's)
 
     @property
     def rank_ns_flops(self) -> float:
@@ -60,6 +63,10 @@ class PlanSummary:
     gemm_flops: float | None = None  # FLOP/s of one device's GEMM
     tensor_size: int = 1  # tensor-parallel ranks per slot: the job has world_size · this ranks
     sliced: tuple[tuple[str, int], ...] = ()  # (parameter, its pieces) per sliced parameter
+    # (matrix, members, their NS FLOPs, one owner's) per team (proofs/team_ns.md); bytes/s of
+    # a team's collectives, for seconds
+    teams: tuple[tuple[str, int, float, float], ...] = ()
+    bandwidth: float | None = None
 
     @property
     def busiest_ns_flops(self) -> float:
@@ -86,8 +93,22 @@ class PlanSummary:
 
     @property
     def busiest_seconds(self) -> float | None:
-        """The busiest rank's NS seconds per step at `gemm_flops` (None without)."""
-        return None if self.gemm_flops is None else self.busiest_ns_flops / self.gemm_flops
+        """The busiest rank's NS seconds per step at `gemm_flops` (None without), its team
+        collectives' at `bandwidth` added: the most over slots."""
+        if self.gemm_flops is None:
+            return None
+        return max(self.seconds(r) for r in self.slots)
+
+    def seconds(self, r: SlotSummary) -> float:
+        """A slot's NS seconds per step (`gemm_flops` needed), with its teams' collectives."""
+        comm = r.team_bytes / self.bandwidth if self.bandwidth else 0.0
+        return r.rank_ns_flops / self.gemm_flops + comm
+
+    @property
+    def mean_seconds(self) -> float | None:
+        if self.gemm_flops is None:
+            return None
+        return math.fsum(self.seconds(r) for r in self.slots) / len(self.slots)
 
     @property
     def bound_seconds(self) -> float | None:
@@ -116,6 +137,9 @@ class PlanSummary:
             "vs_bound": self.vs_bound,
             "gemm_flops": self.gemm_flops,
             "busiest_seconds": self.busiest_seconds,
+            "mean_seconds": self.mean_seconds,
+            "bandwidth": self.bandwidth,
+            "teams": self.teams,
             "bound_seconds": self.bound_seconds,
             "slots": [dataclasses.asdict(r) for r in self.slots],
             "sliced": self.sliced,
@@ -139,9 +163,12 @@ def _largest(plan: Plan, idx: list[int], one: list[float]) -> dict:
     }
 
 
-def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummary:
+def plan_summary(
+    plan: object, *, gemm_flops: float | None = None, bandwidth: float | None = None
+) -> PlanSummary:
     """Per-slot rows and job totals of a `Plan` or an `FnPlan`; gemm_flops (FLOP/s of one
-    device's GEMM in the NS iteration dtype, `measure_gemm_flops()`) adds seconds per step."""
+    device's GEMM in the NS iteration dtype, `measure_gemm_flops()`) adds seconds per step,
+    bandwidth (bytes/s a team member's collectives move) the teams' collectives to them."""
     part = getattr(plan, "partition", None)  # an FnPlan's Plan
     plan = part if isinstance(part, Plan) else plan
     if not isinstance(plan, Plan):
@@ -152,6 +179,10 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
     if gemm_flops is not None:
         positive = "finite and > 0 (FLOP/s, e.g. 4e14)"
         gemm_flops = float(_check("gemm_flops", gemm_flops, lambda v: 0 < v < math.inf, positive))
+    if bandwidth is not None:
+        want = "finite and > 0 (bytes/s, e.g. 4e11)"
+        bandwidth = float(_check("bandwidth", bandwidth, lambda v: 0 < v < math.inf, want))
+    comm = plan.team_bytes or (0.0,) * len(plan.names)
     flops, total = plan.ns_flops, math.fsum(plan.ns_flops)
     T = plan.tensor_size if plan.tensor_slots else 0
     shares = [  # per parameter, of its NS per tensor rank; () without TP
@@ -178,6 +209,7 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
                 nbytes=sum(plan.nbytes[i] for i in mine),
                 **_largest(plan, mats, one),
                 tensor_ns_flops=per_tensor,
+                team_bytes=math.fsum(comm[i] for i in mine),
             )
         )
     loads = [r.rank_ns_flops for r in rows]
@@ -193,7 +225,21 @@ def plan_summary(plan: object, *, gemm_flops: float | None = None) -> PlanSummar
         gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
         sliced=tuple((n, len(ps)) for n, ps in plan.sliced),
+        teams=tuple(
+            (n, len(ps), math.fsum(flops[plan._index(p)] for p in ps), ns_flops(_whole(plan, n)))
+            for n, ps in ((n, plan.pieces(n)) for n in plan.teams)
+        ),
+        bandwidth=bandwidth,
     )
+
+
+def _whole(plan: Plan, name: str) -> tuple[int, ...]:
+    """A sliced parameter's shape, from its pieces' (cut along one dim)."""
+    ps = plan.pieces(name)
+    d = parse_piece(ps[0]).dim
+    sh = list(plan.shape(ps[0]))
+    sh[d] = sum(plan.shape(p)[d] for p in ps)
+    return tuple(sh)
 
 
 def measure_gemm_flops(
@@ -235,6 +281,21 @@ def _seconds(t: float) -> str:
     return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
+def _team_lines(s: PlanSummary) -> list[str]:
+    """The teams: how many, their members, their extra work and their collectives."""
+    name, k, _, _ = max(s.teams, key=lambda t: t[1])
+    together, alone = (math.fsum(t[i] for t in s.teams) for i in (2, 3))
+    comm = max(r.team_bytes for r in s.slots)
+    cdiv, cunit = _scaled(comm, "B", binary=True)
+    name = name if len(name) <= _NAME_WIDTH else "..." + name[3 - _NAME_WIDTH :]
+    return [
+        f"teams: {len(s.teams)} matrices on {sum(t[1] for t in s.teams)} members (the most: "
+        f"{k} for {name})",
+        f"  their Newton-Schulz: {together / alone:.2f}x one owner's FLOPs; their collectives: "
+        f"up to {comm / cdiv:.4g} {cunit} per rank and step",
+    ]
+
+
 def _render(s: PlanSummary) -> list[str]:
     S, R, T = s.world_size, s.replicate_size, s.tensor_size
     mesh = f" ({S // R} shards x {R} replicas)" if R > 1 else ""
@@ -249,12 +310,16 @@ def _render(s: PlanSummary) -> list[str]:
         f"dmuon plan: {ranks}, {n_params} params, "
         f"{s.total_bytes / tdiv:.4g} {tunit} of fp32 masters"
     ]
-    if s.sliced:
-        name, k = max(s.sliced, key=lambda x: x[1])
+    batches = [x for x in s.sliced if x[0] not in {t[0] for t in s.teams}]
+    if batches:
+        name, k = max(batches, key=lambda x: x[1])
         lines.append(
-            f"sliced: {len(s.sliced)} batch{'es' if len(s.sliced) > 1 else ''} of matrices into "
-            f"{n_pieces} pieces on distinct shard columns (the most: {k} pieces of {name})"
+            f"sliced: {len(batches)} batch{'es' if len(batches) > 1 else ''} of matrices into "
+            f"{sum(k for _, k in batches)} pieces on distinct shard columns (the most: {k} "
+            f"pieces of {name})"
         )
+    if s.teams:
+        lines += _team_lines(s)
     fdiv, funit = _scaled(max(s.busiest_ns_flops, 1.0), "FLOP")
 
     def f(x: float) -> str:
@@ -271,10 +336,12 @@ def _render(s: PlanSummary) -> list[str]:
             f"{f(s.largest_ns_flops)}",
         ]
         if s.gemm_flops is not None:
-            lines.append(
-                f"at {s.gemm_flops:.3g} FLOP/s per GEMM: the busiest rank's Newton-Schulz takes "
-                f"{_seconds(s.busiest_seconds)} per step (bound {_seconds(s.bound_seconds)})"
-            )
+            bw = f" and {s.bandwidth:.3g} B/s for team collectives" if s.bandwidth else ""
+            lines += [
+                f"at {s.gemm_flops:.3g} FLOP/s per GEMM{bw}:",
+                f"  the busiest rank's Newton-Schulz takes {_seconds(s.busiest_seconds)} per step"
+                f" (mean {_seconds(s.mean_seconds)}, bound {_seconds(s.bound_seconds)})",
+            ]
     else:
         lines.append("Newton-Schulz per step: none (no matrix in the plan)")
     bdiv, bunit = _scaled(max(r.nbytes for r in s.slots), "B", binary=True)

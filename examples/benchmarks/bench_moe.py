@@ -81,7 +81,7 @@ def rank_work(plan: dmuon_fn.Plan, grads: dict[str, torch.Tensor]) -> list[list]
         if not plan.matrix[i]:
             continue
         if name in pieces:
-            base, a, b = parse_piece(name)
+            base, a, b, _ = parse_piece(name)
             G = grads[base][a:b]  # a piece is rows [a, b) of the expert dim: contiguous
         else:
             G = grads[name]

@@ -9,11 +9,12 @@ as markdown, twice:
 - every parameter of 2+ dims as Muon: then a 128k-vocabulary embedding or head is the largest
   matrix and sets the bound.
 
-Columns: total NS TFLOP per step in the job, the busiest rank's, the lower bound max(largest
-matrix, mean) (no partition's busiest rank has less), imbalance = busiest / mean, busiest /
-bound, and the busiest rank's NS time per step at two GEMM rates: H100_FLOPS (an
-assumption, below) and this machine's, measured by `dmuon_fn.measure_gemm_flops()` in the NS
-iteration dtype its dispatch picks.
+Columns: the teams (matrices, members; proofs/partition.md §10), total NS TFLOP per step in
+the job (the teams' redundant work included), the busiest rank's, imbalance = busiest / mean,
+the busiest and the mean rank's NS time per step at H100_FLOPS (an assumption, below) with
+their team collectives at BANDWIDTH, the same model planned with one owner per matrix (no teams,
+no slices), and the busiest rank's NS time at this machine's GEMM rate, measured by
+`dmuon_fn.measure_gemm_flops()` in the NS iteration dtype its dispatch picks.
 
     PYTHONPATH=. python examples/benchmarks/bench_summary.py [--shapes DIR] [--out FILE]
 """
@@ -31,6 +32,7 @@ from _timing import machine
 
 import dmuon_fn
 from dmuon_fn.ns._dispatch import iteration_dtype
+from dmuon_fn.planning._partition import FLOPS_PER_BYTE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = ROOT.parent / "shared" / "data" / "model_shapes"
@@ -39,6 +41,9 @@ WORLDS = (64, 1024)
 # square bf16 GEMMs reach well above that; NS's products (sides 768..28672, half of them
 # symmetric) and per-matrix launches reach less, so this is a round, conservative figure.
 H100_FLOPS = 4e14
+# The bytes/s a team's collectives move, the cost model's default 1024 FLOP per byte against
+# that rate (about NVLink's all-reduce bus bandwidth within a node; across nodes it is less).
+BANDWIDTH = H100_FLOPS / FLOPS_PER_BYTE
 
 
 def in_block(name: str) -> bool:
@@ -52,31 +57,35 @@ def rows(path: Path, world: int, all_matrices: bool, local_flops: float) -> dict
     ew = [n for n, s in named.items() if len(s) < 2 or not (all_matrices or in_block(n))]
     t0 = time.perf_counter()
     plan = dmuon_fn.partition(named, world, elementwise=ew)
-    s = dmuon_fn.plan_summary(plan, gemm_flops=H100_FLOPS)
+    s = dmuon_fn.plan_summary(plan, gemm_flops=H100_FLOPS, bandwidth=BANDWIDTH)
+    plan_ms = 1e3 * (time.perf_counter() - t0)
+    whole = dmuon_fn.partition(named, world, elementwise=ew, slices=False)
     return {
         "model": spec["model"],
         "world": world,
         "matrices": len(named) - len(ew),
         "summary": s,
-        "local_s": s.busiest_ns_flops / local_flops,
-        "plan_ms": 1e3 * (time.perf_counter() - t0),
+        "one": dmuon_fn.plan_summary(whole, gemm_flops=H100_FLOPS),
+        "local_s": max(r.rank_ns_flops / local_flops for r in s.slots),
+        "plan_ms": plan_ms,
     }
 
 
 def table(results: list[dict]) -> str:
     out = [
-        "| model | ranks | matrices | NS TFLOP/step, all | busiest TFLOP | bound TFLOP "
-        "| largest matrix | busiest/mean | busiest/bound | busiest ms @ H100 | busiest s here |",
-        "|---|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|",
+        "| model | ranks | matrices | teams: matrices (members) | NS TFLOP/step, all | busiest "
+        "TFLOP | busiest/mean | busiest ms @ H100 | mean ms | one owner each: busiest/mean "
+        "| busiest ms | busiest s here |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in results:
-        s = r["summary"]
-        shape = "×".join(map(str, s.largest_shape))
+        s, one = r["summary"], r["one"]
+        teams = f"{len(s.teams)} ({sum(t[1] for t in s.teams)})" if s.teams else "-"
         out.append(
-            f"| {r['model']} | {r['world']:,} | {r['matrices']} | {s.total_ns_flops / 1e12:.2f} "
-            f"| {s.busiest_ns_flops / 1e12:.3f} | {s.bound_ns_flops / 1e12:.3f} | {shape} "
-            f"| {s.imbalance:.2f} | {s.vs_bound:.3f} | {1e3 * s.busiest_seconds:.3g} "
-            f"| {r['local_s']:.3g} |"
+            f"| {r['model']} | {r['world']:,} | {r['matrices']} | {teams} "
+            f"| {s.total_ns_flops / 1e12:.2f} | {s.busiest_ns_flops / 1e12:.3f} "
+            f"| {s.imbalance:.2f} | {1e3 * s.busiest_seconds:.3g} | {1e3 * s.mean_seconds:.3g} "
+            f"| {one.imbalance:.2f} | {1e3 * one.busiest_seconds:.3g} | {r['local_s']:.3g} |"
         )
     return "\n".join(out)
 
@@ -110,8 +119,12 @@ def main() -> None:
         "GEMM, Gram NS from long/short >= 1.5, a GPU's ratio); seconds = the busiest rank's "
         "FLOPs / the rate: the Newton-Schulz time Muon adds to a step if nothing hides it, a "
         "floor (smaller GEMMs run below the rate, and each call has a fixed cost: ~2 ms on a "
-        "CPU, dmuon_fn/planning/_partition.py). bound = max(largest matrix, mean): no partition's "
-        "busiest rank has less.",
+        "CPU, dmuon_fn/planning/_partition.py). The plans give the costliest matrices teams "
+        "(proofs/partition.md §10); a team member's seconds add its collectives at "
+        f"{BANDWIDTH:.3g} B/s (the cost model's default bytes-to-FLOPs rate at the H100 rate: "
+        "about an all-reduce's bus bandwidth within an NVLink node, not across nodes). "
+        "busiest/mean: NS FLOPs (the redundant work of teams counted); 'one owner each': the "
+        "same model planned without teams or slices.",
     ]
     for all_matrices, title in (
         (False, "Block matrices as Muon; embeddings, head and non-matrices elementwise"),

@@ -320,6 +320,27 @@ FAULTS: tuple[Fault, ...] = (
         (T + "test_summary.py",),
     ),
     Fault(
+        "a team member's update scaled by its slice's shape, not the whole matrix's",
+        "dmuon_fn/optim/_update.py",
+        "        return muon_apply(param, O, **hyper, shape=team.shape), new_state",
+        "        return muon_apply(param, O, **hyper), new_state",
+        (T + "test_teams.py::test_functional_steps_teams_like_one_process",),
+    ),
+    Fault(
+        "a team's short-side Gram matrix not summed over its members",
+        "dmuon_fn/ns/_team.py",
+        '        return funcol.all_reduce(part, "sum", group).to(Y.dtype)',
+        "        return part.to(Y.dtype)",
+        (T + "test_teams.py::test_object_api_steps_teams_like_one_process",),
+    ),
+    Fault(
+        "a team's collectives left out of the planner's cost",
+        "dmuon_fn/planning/_partition.py",
+        "        return flops + byte_cost(sh) * share / max(sh) + flops_per_byte * comm",
+        "        return flops + byte_cost(sh) * share / max(sh)",
+        (T + "test_team_plans.py::test_teams_shorten_the_busiest_rank_at_1024",),
+    ),
+    Fault(
         "the cost of a batch of matrices counted once",
         "dmuon_fn/ns/_cost.py",
         "    return batch * total",
