@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 import dmuon_fn
 from dmuon_fn.dedicated._state import STATE_ATTR, DedicatedState
 from dmuon_fn.ns._cost import ns_flops
-from dmuon_fn.planning._partition import RankView, partition
+from dmuon_fn.planning._partition import partition
 from dmuon_fn.planning._summary import plan_summary
+from dmuon_fn.planning._view import RankView
 from tests._plans import owned_by
 
 PROPS = settings(max_examples=100, deadline=None)

@@ -16,11 +16,12 @@ from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, ph
 from ..ns._blocks import Blocks, block_shapes, model_blocks
 from ..ns._dispatch import agreed_aspect
 from ..planning._check import check_plan_consistent
-from ..planning._partition import RankView, partition
+from ..planning._partition import partition
 from ..planning._slices import parse_piece
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
 from ..planning._tensor import LOCAL
+from ..planning._view import RankView
 from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
 from ._hooks import install

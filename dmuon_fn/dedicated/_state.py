@@ -22,8 +22,8 @@ from custom_ops._collectives import broadcast_start as issue_broadcast
 from ..comm._counters import blocked
 from ..comm._mesh import phase
 from ..ns._team import Team
-from ..planning._partition import RankView
 from ..planning._slices import parse_piece
+from ..planning._view import RankView
 from ..tp._layout import TensorLayout, TensorMesh
 
 STATE_ATTR = "_dmuon_state"

@@ -16,9 +16,10 @@ from ..ns._blocks import Blocks, model_blocks
 from ..ns._dispatch import agreed_aspect, gram_min_aspect
 from ..ns._team import Team
 from ..planning._check import check_plan_consistent
-from ..planning._partition import RankView, partition
+from ..planning._partition import partition
 from ..planning._slices import parse_piece
 from ..planning._summary import PlanSummary, plan_summary
+from ..planning._view import RankView
 
 
 @dataclass(frozen=True)

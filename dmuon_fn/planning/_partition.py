@@ -1,14 +1,11 @@
 """The partition planner: which rank owns (orthogonalizes and updates) each dedicated parameter.
 `partition` is a pure function of (names, shapes, sizes, cost options) to a frozen `Plan` of plain
 data, equal on every rank without communicating (FakeTensorMode too); proofs/partition.md.
-`RankView` is one rank's view of it, read by both faces: a parameter's *local owner* shares its
-owner slot's shard (it holds the full parameter between steps), its *global owner* the replica
-too (master, state, update)."""
+One rank's view of a plan: `planning/_view.py`."""
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import operator
@@ -23,7 +20,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method, team_bytes, team_flops
 from ._layers import layer_keys
-from ._slices import cuts, parse_piece, piece_name, spread_columns, team_cuts
+from ._slices import parse_piece, slice_rows, spread_columns
 from ._tensor import LOCAL, keeps_matrices
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
@@ -270,64 +267,32 @@ def partition(
     sliced: dict[str, tuple[str, ...]] = {}
     member_of: dict[str, tuple[tuple[int, ...], int]] = {}  # a team's piece -> (matrix, k)
 
-    def member(sh: tuple[int, ...], share: int, k: int) -> float:  # a team member's cost
+    def team_cost(sh: tuple[int, ...], share: int, k: int) -> tuple[float, float]:
+        """A team member's (NS FLOPs, collective bytes)."""
         flops = team_flops(sh, share, k, **ns_kw, min_aspect=gram_min_aspect)
-        comm = team_bytes(sh, k, steps=steps, method=method, min_aspect=gram_min_aspect)
+        return flops, team_bytes(sh, k, steps=steps, method=method, min_aspect=gram_min_aspect)
+
+    def member(sh: tuple[int, ...], share: int, k: int) -> float:  # its cost
+        flops, comm = team_cost(sh, share, k)
         return flops + byte_cost(sh) * share / max(sh) + flops_per_byte * comm
 
     if slices and world_size // replicate_size > 1 and tensor_size == 1 and layouts is None:
         costs = [ns_of(b, sh) + byte_cost(sh) for b, sh in zip(specs, shapes, strict=True)]
-        mean = math.fsum(costs) / world_size
-        columns, rows = world_size // replicate_size, []
-        asked = _asked(teams or {}, names, shapes, specs, columns)  # k = 1: one owner
-        big = [
-            i
-            for i, b in enumerate(specs)
-            if b == Blocks() and costs[i] > mean and names[i] not in (teams or {})
-        ]
-        plans = [
-            _teams_for(shapes, costs, big, world_size, u, columns, member)
-            for u in _units(mean, max(costs))
-        ]
-        chosen = min(plans, key=lambda t: t[0])[1] if big else {}
-        chosen |= {i: cut for i, cut in asked.items() if len(cut[1]) > 2}
-        for i, (n, sh, m, b, c) in enumerate(zip(names, shapes, matrix, specs, costs, strict=True)):
-            dim, at = chosen.get(i, (0, [0, 1]))
-            if b and b.batch:
-                at = cuts(c, mean, sh[0], columns, _per_share)
-            if len(at) == 2:
-                rows.append((n, sh, m, b))
-                continue
-            spans = list(itertools.pairwise(at))
-            sliced[n] = tuple(piece_name(n, a, z, dim) for a, z in spans)
-            for p, (a, z) in zip(sliced[n], spans, strict=True):
-                part = (*sh[:dim], z - a, *sh[dim + 1 :])
-                rows.append((p, part, m, b))
-                if not b.batch:
-                    member_of[p] = (sh, len(spans))
+        rows, sliced, member_of = slice_rows(
+            (names, shapes, matrix, specs, costs), world_size, world_size // replicate_size,
+            teams or {}, _per_share, member,
+        )  # fmt: skip
         rows.sort(key=lambda r: r[0])
         parent = {p: n for n, ps in sliced.items() for p in ps}
         keys = {p: keys[parent.get(p, p)] for p, *_ in rows}
         names, shapes, matrix, specs = (tuple(col) for col in zip(*rows, strict=True))
         nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
-    ns = [
-        team_flops(
-            member_of[n][0],
-            math.prod(sh) // min(member_of[n][0]),
-            member_of[n][1],
-            **ns_kw,
-            min_aspect=gram_min_aspect,
-        )
-        if n in member_of
-        else ns_of(b, sh)
-        for n, b, sh in zip(names, specs, shapes, strict=True)
-    ]
-    comm = [  # a team member's all-reduces and all-gathers, charged as bytes
-        team_bytes(*member_of[n], steps=steps, method=method, min_aspect=gram_min_aspect)
-        if n in member_of
-        else 0.0
-        for n in names
-    ]
+    ns, comm = [], []  # comm: a team member's collective bytes, charged as bytes
+    for n, b, sh in zip(names, specs, shapes, strict=True):
+        whole, k = member_of.get(n, ((), 1))
+        f, c = team_cost(whole, math.prod(sh) // min(whole), k) if whole else (ns_of(b, sh), 0.0)
+        ns.append(f)
+        comm.append(c)
     costs = [
         f + byte_cost(sh) + flops_per_byte * c for f, sh, c in zip(ns, shapes, comm, strict=True)
     ]
@@ -404,56 +369,6 @@ _OPTIONS = (  # partition's keywords but `slices` and `teams`
 )
 
 
-def _asked(teams, names, shapes, specs, columns) -> dict[int, tuple[int, list[int]]]:
-    """{index: (dim, boundaries)} of the teams `teams` ({name: k}) asks for."""
-    out = {}
-    for n, k in teams.items():
-        i = names.index(n) if n in names else -1
-        ok = i >= 0 and specs[i] == Blocks() and isinstance(k, int) and 1 <= k <= columns
-        if not ok or k > max(shapes[i]):
-            raise ValueError(
-                f"teams[{n!r}] = {k!r}: a team is 2..{columns} (the shard columns) owners of one "
-                "matrix Muon updates (2-D, no blocks spec), at most its long side; 1: one owner"
-            )
-        one = (0, [0, shapes[i][0]])
-        out[i] = one if k == 1 else team_cuts(shapes[i], 0.5, k + 1, lambda a, j, k=k: j != k)
-    return out
-
-
-def _units(mean: float, top: float) -> list[float]:
-    """The member costs a plan's teams are tried at: from `top` (the largest matrix's) down to
-    1/16 of a slot's fair share, by factors of √2."""
-    out = [mean / 16]
-    while out[-1] < top:
-        out.append(out[-1] * math.sqrt(2))
-    return out
-
-
-def _teams_for(shapes, costs, big, world_size, unit, columns, member):
-    """(estimated busiest load, {index: (dim, boundaries)}) with the matrices `big` on teams
-    whose members cost at most `unit` where they can: the busiest slot carries at least the new
-    mean and the largest unit, and LPT tops that by about a quarter unit (an estimate, compared
-    across `unit`s; proofs/partition.md §10)."""
-    out, total, largest = {}, math.fsum(costs), 0.0
-    seen: dict[tuple[int, ...], tuple[int, list[int], float, float]] = {}
-    for i in big:
-        sh = shapes[i]
-        if sh not in seen:
-            dim, at = team_cuts(sh, unit, columns, lambda a, k, sh=sh: member(sh, a, k))
-            k = len(at) - 1
-            spans = itertools.pairwise(at)
-            added = math.fsum(member(sh, b - a, k) for a, b in spans) - costs[i]
-            seen[sh] = (dim, at, added, member(sh, -(-sh[dim] // k), k))
-        dim, at, added, most = seen[sh]
-        if len(at) == 2:
-            largest = max(largest, costs[i])
-            continue
-        out[i] = (dim, at)
-        total += added
-        largest = max(largest, most)
-    return max(largest, total / world_size) + largest / 4, out
-
-
 def _specs(names, shapes, matrix, given: Mapping[str, Blocks | str]) -> list[Blocks | None]:
     """Each parameter's checked `Blocks` (None: elementwise), `given` or the default."""
     unknown = sorted(set(given) - {n for n, m in zip(names, matrix, strict=True) if m})
@@ -482,33 +397,3 @@ def _tensor_slots(
         for i, t in zip(idx, schedule([ns[i] for i in idx], tensor_size), strict=True):
             out[i] = t
     return out
-
-
-@dataclass(frozen=True)
-class RankView:
-    """`plan` seen from the rank at (shard_rank, replica_rank); plain hashable data."""
-
-    plan: Plan
-    shard_rank: int = 0
-    replica_rank: int = 0
-
-    def coords(self, name: str) -> tuple[int, int]:
-        return self.plan.coords(self.plan.slot(name))
-
-    def is_local_owner(self, name: str) -> bool:
-        return self.coords(name)[0] == self.shard_rank
-
-    def is_global_owner(self, name: str) -> bool:
-        return self.coords(name) == (self.shard_rank, self.replica_rank)
-
-    def held(self, name: str) -> str | None:
-        """The plan name of what this rank holds of parameter `name` between steps as a local
-        owner (the parameter, or its piece on this shard column), else None."""
-        return next((p for p in self.plan.pieces(name) if self.is_local_owner(p)), None)
-
-    def route(self, name: str) -> tuple[int, int, int, int, int, int]:
-        """The ints the collective ops take: (owner shard, is local owner, shard size, owner
-        replica, is owner replica, replicate size)."""
-        s, r = self.coords(name)
-        G, R = self.plan.shard_size, self.plan.replicate_size
-        return (s, int(s == self.shard_rank), G, r, int(r == self.replica_rank), R)

@@ -7,10 +7,13 @@ together (`orthogonalize_team`), all in one replica."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from ..ns._blocks import Blocks
 
 _PIECE = re.compile(r"(.+)\[((?::, )*)(0|[1-9][0-9]*):([1-9][0-9]*)\]")
 
@@ -64,6 +67,94 @@ def team_cuts(
     k = next(fits, most)
     q, r = divmod(long, k)
     return dim, [j * q + min(j, r) for j in range(k + 1)]
+
+
+def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int, member):
+    """(rows, sliced, member_of) of a plan's parameters (`columns_of`: names, shapes, matrix,
+    specs, one-owner costs): batches past a fair share cut into pieces of about 1/`per_share`
+    of a share (`cuts`), matrices past it on teams (`team_cuts`, sizes by `_teams_for`, a
+    member costing `member(shape, share, k)`), `teams` ({name: k}) as asked. rows: (plan name,
+    shape, is matrix, spec) per piece or whole parameter, by name; sliced: {parameter: its
+    pieces in order}; member_of: {a team's piece: (its matrix's shape, k)}."""
+    names, shapes, matrix, specs, costs = columns_of
+    mean = math.fsum(costs) / world_size
+    asked = _asked(teams, names, shapes, specs, columns)  # k = 1: one owner
+    big = [
+        i
+        for i, b in enumerate(specs)
+        if b == Blocks() and costs[i] > mean and names[i] not in teams
+    ]
+    plans = [
+        _teams_for(shapes, costs, big, world_size, u, columns, member)
+        for u in _units(mean, max(costs))
+    ]
+    chosen = min(plans, key=lambda t: t[0])[1] if big else {}
+    chosen |= {i: cut for i, cut in asked.items() if len(cut[1]) > 2}
+    rows, sliced, member_of = [], {}, {}
+    for i, (n, sh, m, b, c) in enumerate(zip(names, shapes, matrix, specs, costs, strict=True)):
+        dim, at = chosen.get(i, (0, [0, 1]))
+        if b and b.batch:
+            at = cuts(c, mean, sh[0], columns, per_share)
+        if len(at) == 2:
+            rows.append((n, sh, m, b))
+            continue
+        spans = list(itertools.pairwise(at))
+        sliced[n] = tuple(piece_name(n, a, z, dim) for a, z in spans)
+        for p, (a, z) in zip(sliced[n], spans, strict=True):
+            rows.append((p, (*sh[:dim], z - a, *sh[dim + 1 :]), m, b))
+            if not b.batch:
+                member_of[p] = (sh, len(spans))
+    return rows, sliced, member_of
+
+
+def _asked(teams, names, shapes, specs, columns) -> dict[int, tuple[int, list[int]]]:
+    """{index: (dim, boundaries)} of the teams `teams` ({name: k}) asks for."""
+    out = {}
+    for n, k in teams.items():
+        i = names.index(n) if n in names else -1
+        ok = i >= 0 and specs[i] == Blocks() and isinstance(k, int) and 1 <= k <= columns
+        if not ok or k > max(shapes[i]):
+            raise ValueError(
+                f"teams[{n!r}] = {k!r}: a team is 2..{columns} (the shard columns) owners of one "
+                "matrix Muon updates (2-D, no blocks spec), at most its long side; 1: one owner"
+            )
+        one = (0, [0, shapes[i][0]])
+        out[i] = one if k == 1 else team_cuts(shapes[i], 0.5, k + 1, lambda a, j, k=k: j != k)
+    return out
+
+
+def _units(mean: float, top: float) -> list[float]:
+    """The member costs a plan's teams are tried at: from `top` (the largest matrix's) down to
+    1/16 of a slot's fair share, by factors of √2."""
+    out = [mean / 16]
+    while out[-1] < top:
+        out.append(out[-1] * math.sqrt(2))
+    return out
+
+
+def _teams_for(shapes, costs, big, world_size, unit, columns, member):
+    """(estimated busiest load, {index: (dim, boundaries)}) with the matrices `big` on teams
+    whose members cost at most `unit` where they can: the busiest slot carries at least the new
+    mean and the largest unit, and LPT tops that by about a quarter unit (an estimate, compared
+    across `unit`s; proofs/partition.md §10)."""
+    out, total, largest = {}, math.fsum(costs), 0.0
+    seen: dict[tuple[int, ...], tuple[int, list[int], float, float]] = {}
+    for i in big:
+        sh = shapes[i]
+        if sh not in seen:
+            dim, at = team_cuts(sh, unit, columns, lambda a, k, sh=sh: member(sh, a, k))
+            k = len(at) - 1
+            spans = itertools.pairwise(at)
+            added = math.fsum(member(sh, b - a, k) for a, b in spans) - costs[i]
+            seen[sh] = (dim, at, added, member(sh, -(-sh[dim] // k), k))
+        dim, at, added, most = seen[sh]
+        if len(at) == 2:
+            largest = max(largest, costs[i])
+            continue
+        out[i] = (dim, at)
+        total += added
+        largest = max(largest, most)
+    return max(largest, total / world_size) + largest / 4, out
 
 
 def spread_columns(
