@@ -345,3 +345,31 @@ def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, tor
             parts.append(buf)
         out[n] = torch.cat(parts, dim=e.tp.dim).to(dtype)
     return out
+
+
+def resumed(model: nn.Module, opt, path: str, save: bool, loss_at, rank: int, world: int,
+            batch: int, steps: int, split: int = 2) -> dict:  # fmt: skip
+    """A dedicated model's checkpoint round trip, each rank on its share of a `batch`-row global
+    batch (`loss_at(model, step, rows)`): `save`, train steps [0, split) then save_checkpoint;
+    else load_checkpoint. Then the loaded values and momentum, steps [split, steps), the values
+    after (every parameter whole on every rank, fp32 as held)."""
+    import dmuon_fn as dmuon
+
+    per = batch // world
+
+    def train(steps):
+        for step in steps:
+            loss_at(model, step, slice(rank * per, (rank + 1) * per)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    if save:
+        train(range(split))
+        dmuon.save_checkpoint(path, model, opt)
+    else:
+        dmuon.load_checkpoint(path, model, opt)
+    loaded = full_params(model, cast=False)
+    momentum = full_params(model, get=lambda p: opt.state[p]["momentum_buffer"], cast=False)
+    train(range(split, steps))
+    opt.wait_publish()
+    return {"loaded": loaded, "momentum": momentum, "params": full_params(model, cast=False)}

@@ -24,7 +24,7 @@ from dmuon_fn import NSConfig
 from dmuon_fn.planning._partition import partition
 from dmuon_fn.planning._slices import cuts, parse_piece, piece_name
 from tests._dist import run_ranks
-from tests._models import blocks_reference, full_params
+from tests._models import blocks_reference, full_params, resumed
 
 E, D = 4, 16
 BLOCKS = {  # per-head q (4 heads) and k (2 heads), fused qkv with GQA sizes, gate/up per expert
@@ -283,31 +283,9 @@ def _checkpoint(rank: int, world: int, path: str, save: bool) -> dict:
     model = _model()
     dmuon.dedicate_params(model, shard, pure=True, blocks=BLOCKS)
     opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
-    per = WORLD_BATCH // world
-
-    def train(steps):
-        for step in steps:
-            x, y = _batch(step)
-            lo, hi = rank * per, (rank + 1) * per
-            _loss(model, x[lo:hi], y[lo:hi]).backward()
-            opt.step()
-            opt.zero_grad()
-
-    if save:
-        train(range(2))
-        dmuon.save_checkpoint(path, model, opt)
-    else:
-        dmuon.load_checkpoint(path, model, opt)
-    loaded = full_params(model, cast=False)
-    momentum = full_params(model, get=lambda p: opt.state[p]["momentum_buffer"], cast=False)
-    train(range(2, STEPS))
-    opt.wait_publish()
-    return {
-        "loaded": loaded,
-        "momentum": momentum,
-        "params": full_params(model, cast=False),
-        "pieces": dict(model._dmuon_state.plan.sliced),
-    }
+    loss_at = lambda m, step, rows: _loss(m, *(t[rows] for t in _batch(step)))  # noqa: E731
+    out = resumed(model, opt, path, save, loss_at, rank, world, WORLD_BATCH, STEPS)
+    return {**out, "pieces": dict(model._dmuon_state.plan.sliced)}
 
 
 @pytest.mark.slow

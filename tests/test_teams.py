@@ -17,7 +17,7 @@ import dmuon_fn as dmuon
 from dmuon_fn import NSConfig
 from dmuon_fn.ns._cost import team_bytes
 from tests._dist import run_ranks
-from tests._models import blocks_reference, full_params
+from tests._models import blocks_reference, full_params, resumed
 
 D, H, OUT = 24, 64, 8
 STEPS, LR, WORLD_BATCH = 5, 0.05, 8
@@ -177,28 +177,10 @@ def _checkpoint(rank: int, world: int, path: str, teams: dict, save: bool) -> di
     model = _model()
     dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), pure=True, teams=teams)
     opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
-    per = WORLD_BATCH // world
-
-    def train(steps):
-        for step in steps:
-            x, y = _batch(step)
-            lo, hi = rank * per, (rank + 1) * per
-            _loss(model, x[lo:hi], y[lo:hi]).backward()
-            opt.step()
-            opt.zero_grad()
-
-    if save:
-        train(range(2))
-        dmuon.save_checkpoint(path, model, opt)
-    else:
-        dmuon.load_checkpoint(path, model, opt)
-    loaded = full_params(model, cast=False)
-    momentum = full_params(model, get=lambda p: opt.state[p]["momentum_buffer"], cast=False)
-    train(range(2, STEPS))
-    opt.wait_publish()
+    loss_at = lambda m, step, rows: _loss(m, *(t[rows] for t in _batch(step)))  # noqa: E731
+    out = resumed(model, opt, path, save, loss_at, rank, world, WORLD_BATCH, STEPS)
     plan = model._dmuon_state.plan
-    return {"loaded": loaded, "momentum": momentum, "params": full_params(model, cast=False),
-            "teams": {n: len(plan.pieces(n)) for n in plan.teams}}  # fmt: skip
+    return {**out, "teams": {n: len(plan.pieces(n)) for n in plan.teams}}
 
 
 @pytest.mark.slow
