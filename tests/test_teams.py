@@ -82,7 +82,7 @@ def _team_sizes(hsdp: bool) -> dict[str, int]:
     return {UP: 2, DOWN: 2} if hsdp else {UP: 4, DOWN: 2}
 
 
-def _object(rank: int, world: int, hsdp: bool, z3: bool, compiled: bool) -> dict:
+def _object(rank: int, world: int, hsdp: bool, z3: bool, compiled: bool, ahead=False) -> dict:
     shard, rep = _meshes(world, hsdp)
     model = _model()
     teams = _team_sizes(hsdp)
@@ -94,7 +94,7 @@ def _object(rank: int, world: int, hsdp: bool, z3: bool, compiled: bool) -> dict
         for i, b in enumerate(model.blocks):
             model.blocks.register_module(str(i), torch.compile(b, fullgraph=True))
     plan = model._dmuon_state.plan
-    opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
+    opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0, gather_in_step=ahead)
     per = WORLD_BATCH // world
     booked = []
     for step in range(STEPS):
@@ -112,13 +112,14 @@ def _object(rank: int, world: int, hsdp: bool, z3: bool, compiled: bool) -> dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("hsdp", "z3", "compiled"),
-    [(False, False, False), (False, True, False), (True, False, False), (True, True, False),
-     (False, True, True)],
+    ("hsdp", "z3", "compiled", "ahead"),
+    [(False, False, False, False), (False, True, False, False), (True, False, False, False),
+     (True, True, False, False), (False, True, True, False), (False, True, False, True)],
 )  # fmt: skip
-def test_object_api_steps_teams_like_one_process(hsdp, z3, compiled):
+def test_object_api_steps_teams_like_one_process(hsdp, z3, compiled, ahead):
+    """(ahead: the step also gathers the next forward's parameters, between team updates.)"""
     want = reference()
-    for r in run_ranks(_object, 4, hsdp, z3, compiled):
+    for r in run_ranks(_object, 4, hsdp, z3, compiled, ahead):
         assert {n: len(ps) for n, ps in r["teams"].items()} == _team_sizes(hsdp)
         _close(r["params"], want)
         # the team collectives of each step: the formula, for the teams this rank is in
