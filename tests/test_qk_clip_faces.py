@@ -6,6 +6,7 @@ identical weights on every rank, and the compiled functional step in one graph."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_fn as dmuon
 from dmuon_fn import NSConfig
+from dmuon_fn.planning._partition import partition
+from dmuon_fn.planning._view import RankView
 from tests._dist import run_ranks
 from tests._models import full_params
 
@@ -194,3 +197,17 @@ def test_qk_clip_heads_that_do_not_split_into_heads_raise_at_setup():
     cfg = dmuon.Config(qk_clip_tau=1.0, qk_clip_heads=bad)
     with pytest.raises(ValueError, match=r"qk_clip_heads\['attn'\].*check the head counts"):
         dmuon.init(_model(tracker), dmuon.plan(_model(tracker)), cfg)
+
+
+def test_qk_clip_of_a_weight_on_a_team_raises_at_setup():
+    tracker = dmuon.LogitTracker()
+    model = _model(tracker)
+    fp = dmuon.plan(model)
+    shapes = dict(zip(fp.names, fp.shapes, strict=True))
+    ew = [n for n in fp.names if n not in fp.muon]
+    teamed = partition(shapes, 2, elementwise=ew, teams={"attn.q_proj.weight": 2})
+    fp = dataclasses.replace(fp, view=RankView(teamed))  # rank 0 of 2, the q weight on a team
+    heads = {"attn": dmuon.ClipHeads("attn.q_proj.weight", "attn.k_proj.weight", 2, 1)}
+    cfg = dmuon.Config(qk_clip_tau=1.0, qk_clip_heads=heads)
+    with pytest.raises(ValueError, match=r"on a team .*teams=\{'attn.q_proj.weight': 1\}"):
+        dmuon.init(model, fp, cfg)

@@ -309,7 +309,8 @@ def _clip_entries(st: DedicatedState, config: Config) -> dict[str, Any]:
     """The dedicated entry of each QK-clip weight (`check_clip_heads` against the dedicated
     matrices); ValueError for one split by tensor parallelism."""
     by_name = {n: e for e in st.entries if e.is_matrix for n in e.names}
-    check_clip_heads(config.qk_clip_heads, {n: e.full_shape for n, e in by_name.items()})
+    shapes = {n: e.full_shape for n, e in by_name.items()}
+    check_clip_heads(config.qk_clip_heads, shapes, st.plan.teams)
     names = sorted({n for _, h in config.qk_clip_heads for n in (h.q, h.k)})
     split = [n for n in names if by_name[n].tp is not None]
     if split:

@@ -49,7 +49,8 @@ class State(NamedTuple):
 def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
     """This rank's `State`: real where it owns, 0-size elsewhere."""
     config = config or Config()
-    check_clip_heads(config.qk_clip_heads, {n: fn_plan.shape(n) for n in fn_plan.muon})
+    matrices = {n: fn_plan.shape(n) for n in fn_plan.muon}
+    check_clip_heads(config.qk_clip_heads, matrices, fn_plan.partition.teams)
     params, opt = {}, {}
     named = dict(model.named_parameters())
     for name in fn_plan.names:

@@ -184,13 +184,23 @@ class ClipHeads:
 
 
 def check_clip_heads(
-    heads: tuple[tuple[Hashable, ClipHeads], ...], matrices: Mapping[str, Sequence[int]]
+    heads: tuple[tuple[Hashable, ClipHeads], ...],
+    matrices: Mapping[str, Sequence[int]],
+    teams: Sequence[str] = (),
 ) -> None:
     """ValueError unless every weight `heads` names is one of `matrices` ({name: full shape} of
-    the Muon matrices) whose rows its head counts divide, q and k with one head_dim: the setup
-    check both optimizer faces run, so a step never meets a weight it cannot clip."""
+    the Muon matrices), not on a team (`teams`: no member holds whole heads), whose rows its
+    head counts divide, q and k with one head_dim: the setup check both optimizer faces run, so
+    a step never meets a weight it cannot clip."""
     for key, h in heads:
         kv = _kv_heads(h.num_heads, h.num_kv_heads)
+        shared = [n for n in (h.q, h.k) if n in teams]
+        if shared:
+            raise ValueError(
+                f"qk_clip_heads[{key!r}] names {shared[0]!r}, which the plan puts on a team "
+                "(its slices on several owners, none holding whole heads): plan it whole with "
+                f"teams={{{shared[0]!r}: 1}} (dedicate_params or plan)"
+            )
         unknown = [n for n in (h.q, h.k) if n not in matrices]
         if unknown:
             raise ValueError(
