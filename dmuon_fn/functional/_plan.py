@@ -41,6 +41,7 @@ class FnPlan:
     shard_size = property(lambda self: self.view.plan.shard_size)
     replicate_size = property(lambda self: self.view.plan.replicate_size)
     route = property(lambda self: self.view.route)  # of a plan name (a parameter or a piece)
+    cut_dim = property(lambda self: self.view.plan.cut_dim)  # of a parameter
 
     def is_local_owner(self, name: str) -> bool:
         """Whether this rank holds parameter `name` (a sliced one: a piece) between steps."""
@@ -60,11 +61,6 @@ class FnPlan:
             whole = (n, n, 0, self.shape(n)[0] if self.shape(n) else 1)
             out += [whole] if len(ps) == 1 else [(n, p, *parse_piece(p)[1:3]) for p in ps]
         return out
-
-    def cut_dim(self, name: str) -> int:
-        """The dim parameter `name`'s pieces are cut along (0 if it is whole)."""
-        ps = self.partition.pieces(name)
-        return 0 if len(ps) == 1 else parse_piece(ps[0]).dim
 
     def team(self, name: str) -> Team | None:
         """What this rank's piece of `name` passes `orthogonalize_team`, if on a team with it."""

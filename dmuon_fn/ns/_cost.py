@@ -62,17 +62,22 @@ def ns_flops(
     return batch * total
 
 
+def member_shape(shape: tuple[int, ...] | list[int], k: int) -> tuple[int, int]:
+    """(m, share) a team of `k` chooses its form for, on one matrix of `shape` cut along its
+    long side: the short side m and a member's share ⌈long/k⌉, a share below m counting as m
+    (the Gram form's m×m iteration never shrinks)."""
+    short, long = sorted(shape[-2:])
+    return short, max(-(-long // k), short)
+
+
 def team_form(
     shape: tuple[int, ...] | list[int],
     k: int,
     method: str = "auto",
     min_aspect: float = GRAM_MIN_ASPECT,
 ) -> str:
-    """The form a team of `k` runs on one matrix of `shape` cut along its long side: chosen for
-    a member's share ⌈long/k⌉ against the short side m, a share below m counting as m (the
-    Gram form's m×m iteration never shrinks; `orthogonalize_team`)."""
-    short, long = sorted(shape[-2:])
-    return ns_method((short, max(-(-long // k), short)), method, min_aspect)
+    """The form a team of `k` runs on one matrix of `shape` (`orthogonalize_team`'s choice)."""
+    return ns_method(member_shape(shape, k), method, min_aspect)
 
 
 def team_flops(

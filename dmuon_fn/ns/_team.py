@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from ._cost import member_shape
 from ._iteration import gram, ops, schedule, standard
 from ._orthogonalize import NSConfig, iteration, restarts_of
 
@@ -64,10 +65,8 @@ def orthogonalize_team(
     src = G.mT if dim == -2 else G  # the slice along the last dim; its rows are W's short side
     dt = torch.promote_types(G.dtype, torch.float32)
     # the form for a member's share of the long side, the same on every member: Gram's m×m
-    # products are every member's, standard's shrink with the share (proofs/team_ns.md); a
-    # share below m counts as m (`team_form`)
-    share = max(-(-full[dim] // dist.get_world_size(group)), full[other])
-    it, impl, method = iteration(cfg, G, (full[other], share))
+    # products are every member's, standard's shrink with the share (proofs/team_ns.md)
+    it, impl, method = iteration(cfg, G, member_shape(full, dist.get_world_size(group)))
     X = _normalize(src.to(dt), cfg.eps, group).to(it, memory_format=torch.contiguous_format)
     syrk = ops(X)[2]
 

@@ -20,7 +20,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method, team_bytes, team_flops
 from ._layers import layer_keys
-from ._slices import parse_piece, slice_rows, spread_columns
+from ._slices import check_teams, parse_piece, slice_rows, spread_columns
 from ._tensor import LOCAL, keeps_matrices
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
@@ -100,6 +100,11 @@ class Plan:
             if n == name:
                 return ps
         return (name,)
+
+    def cut_dim(self, name: str) -> int:
+        """The dim parameter `name`'s pieces are cut along (0 if it is whole)."""
+        ps = self.pieces(name)
+        return 0 if len(ps) == 1 else parse_piece(ps[0]).dim
 
     def team(self, name: str) -> tuple[str, ...]:
         """The pieces of parameter `name` if they are a team (its matrix cut along its long
@@ -217,10 +222,8 @@ def partition(
     slices: a batch of matrices costing more than a slot's fair share (the mean load) is cut
         along its leading dim into pieces `name[a:b]` on distinct shard columns (`Plan.sliced`);
         False: every parameter whole (as always under tensor parallelism). A matrix costing
-        more than a share gets a team (proofs/partition.md §10): k owners of slices along its
-        long side that run its Newton-Schulz together, k chosen by the cost model (its
-        all-reduces charged at `flops_per_byte`); slices and teams are kept only where they
-        lighten the busiest slot.
+        more than a share gets a team: owners of slices of its long side, sized by the cost
+        model, collectives included (proofs/partition.md §10); kept where they lighten a plan.
     teams: {name: k} puts a one-matrix parameter on a team of k (2 <= k <= shard columns),
         whatever it costs, or (k = 1) keeps it whole (with `slices`).
     """
@@ -240,10 +243,8 @@ def partition(
         _check(key, val, lambda v: 0 <= v < math.inf, "finite and >= 0")
     _check("gram_min_aspect", gram_min_aspect, lambda v: v >= 1.0, ">= 1 (inf: never Gram)")
     tensor_size = _check_int("tensor_size", tensor_size, 1)
-    if teams and not (slices and tensor_size == 1 and layouts is None):
-        raise ValueError("teams needs slices=True and no tensor parallelism (TP plans are whole)")
-    if teams and max(teams.values(), default=1) != 1 and world_size // replicate_size < 2:
-        raise ValueError("teams of 2 or more need 2 or more shard columns")
+    whole = not (slices and tensor_size == 1 and layouts is None)  # every parameter whole
+    check_teams(teams or {}, world_size // replicate_size, whole)
     names, shapes = zip(*_pairs(named_shapes), strict=True)
     if layouts is not None and set(layouts) != set(names):
         raise ValueError("layouts must name exactly the parameters of named_shapes")
@@ -276,7 +277,7 @@ def partition(
         flops, comm = team_cost(sh, share, k)
         return flops + byte_cost(sh) * share / max(sh) + flops_per_byte * comm
 
-    if slices and world_size // replicate_size > 1 and tensor_size == 1 and layouts is None:
+    if not whole and world_size // replicate_size > 1:
         costs = [ns_of(b, sh) + byte_cost(sh) for b, sh in zip(specs, shapes, strict=True)]
         rows, sliced, member_of = slice_rows(
             (names, shapes, matrix, specs, costs), world_size, world_size // replicate_size,
@@ -289,8 +290,8 @@ def partition(
         nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
     ns, comm = [], []  # comm: a team member's collective bytes, charged as bytes
     for n, b, sh in zip(names, specs, shapes, strict=True):
-        whole, k = member_of.get(n, ((), 1))
-        f, c = team_cost(whole, math.prod(sh) // min(whole), k) if whole else (ns_of(b, sh), 0.0)
+        full, k = member_of.get(n, ((), 1))  # a team member: its matrix's shape, its team size
+        f, c = team_cost(full, math.prod(sh) // min(full), k) if full else (ns_of(b, sh), 0.0)
         ns.append(f)
         comm.append(c)
     costs = [
@@ -357,9 +358,9 @@ def partition(
     # of about 1/2 or 1/4 of a share, whichever is lighter (proofs/partition.md §9)
     if teams or _per_share != 2:  # asked for, or one of the candidates below
         return plan
-    whole = partition(named_shapes, world_size, **options, slices=False)
+    unsliced = partition(named_shapes, world_size, **options, slices=False)
     finer = partition(named_shapes, world_size, **options, _per_share=4)
-    return min((plan, finer, whole), key=lambda p: max(p.slot_loads))  # ties: the first
+    return min((plan, finer, unsliced), key=lambda p: max(p.slot_loads))  # ties: the first
 
 
 _OPTIONS = (  # partition's keywords but `slices` and `teams`

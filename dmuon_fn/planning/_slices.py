@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from ..ns._blocks import Blocks
@@ -105,6 +105,16 @@ def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int,
             if not b.batch:
                 member_of[p] = (sh, len(spans))
     return rows, sliced, member_of
+
+
+def check_teams(teams: Mapping[str, int], columns: int, whole: bool) -> None:
+    """ValueError for `teams` ({name: k}) a plan cannot honour: any team where every parameter
+    stays whole (`whole`: slices off, or tensor parallelism), a team of 2+ on one shard column
+    (each k is checked against its matrix in `slice_rows`)."""
+    if teams and whole:
+        raise ValueError("teams needs slices=True and no tensor parallelism (TP plans are whole)")
+    if max(teams.values(), default=1) != 1 and columns < 2:
+        raise ValueError("teams of 2 or more need 2 or more shard columns")
 
 
 def _asked(teams, names, shapes, specs, columns) -> dict[int, tuple[int, list[int]]]:

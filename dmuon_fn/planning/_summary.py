@@ -15,7 +15,6 @@ from ..ns._cost import ns_flops
 from ..ns._dispatch import iteration_dtype, race
 from ..ns._orthogonalize import _default_device
 from ._partition import Plan, _check, _check_int
-from ._slices import parse_piece
 from ._tensor import tensor_shares
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
@@ -235,8 +234,7 @@ def plan_summary(
 
 def _whole(plan: Plan, name: str) -> tuple[int, ...]:
     """A sliced parameter's shape, from its pieces' (cut along one dim)."""
-    ps = plan.pieces(name)
-    d = parse_piece(ps[0]).dim
+    ps, d = plan.pieces(name), plan.cut_dim(name)
     sh = list(plan.shape(ps[0]))
     sh[d] = sum(plan.shape(p)[d] for p in ps)
     return tuple(sh)
