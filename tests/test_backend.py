@@ -11,7 +11,7 @@ import torch
 import custom_ops
 from custom_ops import _kernels
 from dmuon_fn import get_ns_backend, orthogonalize
-from dmuon_fn.ns._dispatch import choose_triangle_rows, cpu_dispatch
+from dmuon_fn.ns._dispatch import choose_rows, cpu_dispatch
 
 
 def test_default_cpu_line_names_this_machines_choice(monkeypatch):
@@ -23,7 +23,8 @@ def test_default_cpu_line_names_this_machines_choice(monkeypatch):
         assert line.startswith("Standard NS (Gram NS measured slower here")
     else:
         assert line.startswith(
-            f"Gram NS (long/short >= {d.gram_min_aspect:g}, short >= 32; else standard NS)"
+            f"Gram NS (long/short >= {d.gram_min_aspect:g}, short >= {d.gram_min_short}; "
+            "else standard NS)"
         )
     assert "kernel=cpu_syrk (CPU, blocked lower-triangle GEMM strips: " in line
     assert line.endswith(f"iterate in {str(d.dtype)[6:]} ({d.why})")
@@ -136,10 +137,10 @@ def test_cuda_triangle_rule_from_timings():
     """The triangle kernel runs from the geometric midpoint below the smallest size at which it
     won there and at every larger size; never if it lost at the largest."""
     t = {1024: (1.0, 2.0), 2048: (1.0, 1.5), 4096: (1.0, 1.2), 8192: (1.0, 0.6)}  # H200-like
-    assert choose_triangle_rows(t) == round(math.sqrt(4096 * 8192))
-    assert choose_triangle_rows({n: (1.0, 0.5) for n in t}) == round(1024 / math.sqrt(2))
-    assert math.isinf(choose_triangle_rows({**t, 8192: (1.0, 1.0)}))
-    assert choose_triangle_rows({**t, 2048: (1.0, 0.9)}) == round(math.sqrt(4096 * 8192))
+    assert choose_rows(t) == round(math.sqrt(4096 * 8192))
+    assert choose_rows({n: (1.0, 0.5) for n in t}) == round(1024 / math.sqrt(2))
+    assert math.isinf(choose_rows({**t, 8192: (1.0, 1.0)}))
+    assert choose_rows({**t, 2048: (1.0, 0.9)}) == round(math.sqrt(4096 * 8192))
 
 
 def test_cuda_auto_runs_cublas_below_the_rule(monkeypatch):

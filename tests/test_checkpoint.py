@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon_fn as dmuon
 from dmuon_fn._checkpoint import _kinds
-from dmuon_fn.ns._dispatch import cpu_dispatch
+from dmuon_fn.ns._dispatch import gram_rule
 from dmuon_fn.optim._update import state_items
 from tests._dist import run_ranks
 from tests._models import HP, TinyMLP, batch, config_fp32, is_proj, make, meshes, muon_fp32
@@ -275,16 +275,16 @@ def _state_dtypes(full, name):
     return all(v.dtype == want for v in state if torch.is_tensor(v))
 
 
-def _save_all_and_aspect(rank, world, hsdp, root):
-    """`_save_all`, and the Gram ratio the job planned with (its ranks' agreed NS dispatch)."""
-    return _save_all(rank, world, hsdp, root), cpu_dispatch().gram_min_aspect
+def _save_all_and_rule(rank, world, hsdp, root):
+    """`_save_all`, and the Gram rule the job planned with (its ranks' agreed NS dispatch)."""
+    return _save_all(rank, world, hsdp, root), gram_rule(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
 def ckpt4(tmp_path_factory):
-    """(root, per-rank results of `_save_all`, the Gram ratio the world-4 job planned with)."""
+    """(root, per-rank results of `_save_all`, the Gram rule the world-4 job planned with)."""
     root = tmp_path_factory.mktemp("w4")
-    results = run_ranks(_save_all_and_aspect, 4, False, str(root))
+    results = run_ranks(_save_all_and_rule, 4, False, str(root))
     return root, [r for r, _ in results], results[0][1]
 
 
@@ -372,14 +372,14 @@ def test_reshard_1d_to_hsdp_and_hsdp_resume(ckpt4, tmp_path):
             _equal(resumed, after, f"{name}: HSDP resumed")
 
 
-def _global_owners(name, dedicated, muon, world, aspect):
+def _global_owners(name, dedicated, muon, world, rule):
     """{name: global rank} of the parameters `dedicated(n, p)` selects, `muon(n, p)` of them
-    matrices for Muon: the plan is a pure function of shapes (and of the Gram ratio of the
+    matrices for Muon: the plan is a pure function of shapes (and of the Gram rule of the
     job's NS dispatch, which its cost model charges)."""
     named = dict(make(name).named_parameters())
     mine = {n: tuple(p.shape) for n, p in named.items() if dedicated(n, p)}
     ew = [n for n in mine if not muon(n, named[n])]
-    plan = dmuon.partition(mine, world, elementwise=ew, gram_min_aspect=aspect)
+    plan = dmuon.partition(mine, world, elementwise=ew, **rule)
     return {n: plan.owner(n) for n in mine}
 
 

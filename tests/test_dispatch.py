@@ -26,8 +26,14 @@ import custom_ops
 import dmuon_fn
 from custom_ops._kernels.cpu import _cpu_blocks
 from dmuon_fn.ns import _dispatch
-from dmuon_fn.ns._cost import ns_flops
-from dmuon_fn.ns._dispatch import CpuDispatch, choose_aspect, choose_dtype, choose_strips
+from dmuon_fn.ns._cost import GRAM_MIN_SHORT, ns_flops
+from dmuon_fn.ns._dispatch import (
+    CpuDispatch,
+    choose_aspect,
+    choose_dtype,
+    choose_short,
+    choose_strips,
+)
 from dmuon_fn.planning._partition import FLOPS_PER_BYTE
 from tests._dist import run_ranks
 
@@ -107,6 +113,22 @@ def test_gram_from_the_smallest_aspect_it_wins_from_there_on(rows):
     assert not below or below[-1] not in wins
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(TIMES, TIMES), min_size=4, max_size=4))
+def test_gram_from_the_smallest_short_side_it_wins_from_there_on(rows):
+    shorts = (64, 128, 256, 512)
+    times = dict(zip(shorts, rows, strict=True))
+    least = choose_short(times)
+    assert least >= GRAM_MIN_SHORT and isinstance(least, int)
+    wins = [n for n in shorts if times[n][1] < times[n][0]]
+    if shorts[-1] not in wins:  # never won at the largest: the aspect rule decides alone
+        assert least == GRAM_MIN_SHORT
+        return
+    assert all(n in wins for n in shorts if n >= least)  # Gram won wherever it now runs
+    lost = [n for n in shorts if n not in wins]
+    assert not lost or least > lost[-1]  # and runs at no probed size it lost
+
+
 # ------------------------------------------------------------------ both worlds, simulated
 
 
@@ -115,6 +137,8 @@ def _fake_measurements(monkeypatch, t_fp32: float, t_bf16: float) -> list:
     monkeypatch.setattr(_dispatch, "_gemm_times", lambda: timed.append("gemm") or (t_fp32, t_bf16))
     monkeypatch.setattr(_dispatch, "_strip_times", lambda dt: {512: {1: 1.0, 2: 0.5}})
     monkeypatch.setattr(_dispatch, "_method_times", lambda dt: {2.0: (1.0, 2.0), 4.0: (2.0, 1.0)})
+    shorts = {64: (1.0, 2.0), 128: (1.0, 1.5), 256: (2.0, 1.0)}
+    monkeypatch.setattr(_dispatch, "_short_times", lambda dt, widest: {**shorts, 512: widest})
     return timed
 
 
@@ -125,6 +149,7 @@ def test_a_cpu_without_native_bf16_iterates_in_fp32_unmeasured(monkeypatch):
         assert d.dtype == torch.float32 and timed == []
         assert d.why.startswith("no native bf16 matmul")
         assert (d.gram_min_aspect, d.strips) == (4.0, ((362, 2),))
+        assert d.gram_min_short == round(math.sqrt(128 * 256))  # between the last loss and win
 
 
 def test_a_cpu_with_native_bf16_is_measured(monkeypatch):
@@ -260,12 +285,8 @@ def test_cache_is_written_once_and_reused(fresh_cache):
     (path,) = (root / "dispatch").glob("*.json")
     again = _dispatch._load_or_measure()
     assert len(calls) == 1 and again.source == "cache"
-    assert (again.dtype, again.gram_min_aspect, again.strips, again.why) == (
-        FIXED.dtype,
-        FIXED.gram_min_aspect,
-        FIXED.strips,
-        FIXED.why,
-    )
+    fields = ("dtype", "gram_min_aspect", "gram_min_short", "strips", "why")
+    assert [getattr(again, f) for f in fields] == [getattr(FIXED, f) for f in fields]
     assert json.loads(path.read_text())["identity"] == _dispatch.identity()
 
 
@@ -278,6 +299,8 @@ def test_cache_is_written_once_and_reused(fresh_cache):
         lambda r: json.dumps({**r, "identity": {**r["identity"], "format": 0}}),
         lambda r: json.dumps({**r, "dispatch": {**r["dispatch"], "dtype": "float16"}}),
         lambda r: json.dumps({**r, "dispatch": {**r["dispatch"], "gram_min_aspect": 0.5}}),
+        lambda r: json.dumps({**r, "dispatch": {**r["dispatch"], "gram_min_short": 16}}),
+        lambda r: json.dumps({**r, "dispatch": {**r["dispatch"], "gram_min_short": 64.5}}),
         lambda r: json.dumps({**r, "dispatch": {**r["dispatch"], "strips": [[512, 2], [256, 4]]}}),
         lambda r: json.dumps({**r, "dispatch": {**r["dispatch"], "why": ""}}),
         lambda r: json.dumps({"identity": r["identity"]}),
@@ -348,6 +371,7 @@ def test_ranks_run_rank_zeros_choice():
         == {
             "dtype": "bfloat16",
             "gram_min_aspect": 1.5,
+            "gram_min_short": 32,
             "strips": [[256, 2]],
             "why": "r0",
         }

@@ -14,7 +14,7 @@ from custom_ops._collectives import broadcast_into
 
 from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase, team_groups
 from ..ns._blocks import Blocks, block_shapes, model_blocks
-from ..ns._dispatch import agreed_aspect
+from ..ns._dispatch import agreed_gram
 from ..planning._check import check_plan_consistent
 from ..planning._partition import partition
 from ..planning._slices import parse_piece
@@ -105,7 +105,7 @@ def dedicate_params(
         mesh.size() * R,
         replicate_size=R,
         elementwise=[n for n, shape in shapes.items() if len(shape) < 2],
-        gram_min_aspect=agreed_aspect(device),  # every rank plans (and runs) rank 0's dispatch
+        **agreed_gram(device),  # every rank plans (and runs) rank 0's dispatch
         tensor_size=1 if tmesh is None else tmesh.size(),
         layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
         blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),

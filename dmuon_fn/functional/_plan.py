@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm._mesh import check_dtypes, check_meshes, team_groups
 from ..dedicated import _fsdp_adapter as fsdp
 from ..ns._blocks import Blocks, model_blocks
-from ..ns._dispatch import agreed_aspect, gram_min_aspect
+from ..ns._dispatch import agreed_gram, gram_rule
 from ..ns._team import Team
 from ..planning._check import check_plan_consistent
 from ..planning._partition import partition
@@ -137,7 +137,7 @@ def plan(
         for m in (mesh, replicate_mesh)
     )
     shapes, device = {n: tuple(p.shape) for n, p in named}, named[0][1].device
-    aspect = agreed_aspect(device) if G * R > 1 else gram_min_aspect(device)  # rank 0's in a job
+    rule = agreed_gram(device) if G * R > 1 else gram_rule(device)  # rank 0's in a job
     adamw = [n for n in shapes if n not in muon]
     specs = model_blocks(model, sorted(muon), blocks)
     part = partition(
@@ -145,7 +145,7 @@ def plan(
         G * R,
         replicate_size=R,
         elementwise=adamw,
-        gram_min_aspect=aspect,
+        **rule,
         blocks=specs,
         teams=teams,
     )

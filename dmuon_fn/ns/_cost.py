@@ -6,7 +6,8 @@ import math
 from collections.abc import Collection
 
 # `auto` runs Gram NS from long/short >= GRAM_MIN_ASPECT (GPU; a CPU's is measured) with a short
-# side >= GRAM_MIN_SHORT (below it low-precision Gram can diverge). Why: proofs/ns_notes.md.
+# side >= GRAM_MIN_SHORT (below it low-precision Gram can diverge; a CPU measures where Gram starts
+# to pay, never below it). Why: proofs/ns_notes.md.
 GRAM_MIN_ASPECT = 1.5
 GRAM_MIN_SHORT = 32
 
@@ -17,17 +18,22 @@ def default_restarts(steps: int) -> tuple[int, ...]:
 
 
 def ns_method(
-    shape: tuple[int, ...] | list[int], method: str = "auto", min_aspect: float = GRAM_MIN_ASPECT
+    shape: tuple[int, ...] | list[int],
+    method: str = "auto",
+    min_aspect: float = GRAM_MIN_ASPECT,
+    min_short: int = GRAM_MIN_SHORT,
 ) -> str:
     """ "gram" or "standard" for a matrix of `shape` (trailing two dims; leading dims batch):
-    "auto" picks Gram from long/short >= `min_aspect` (inf: never) with a short side >= 32."""
+    "auto" picks Gram from long/short >= `min_aspect` (inf: never) with a short side >=
+    `min_short` (never below GRAM_MIN_SHORT)."""
     if method not in ("auto", "gram", "standard"):
         raise ValueError(f"method must be 'auto', 'gram' or 'standard', got {method!r}")
     if method != "auto":
         return method
     rows, cols = shape[-2], shape[-1]
     short, long = min(rows, cols), max(rows, cols)
-    return "gram" if long >= min_aspect * short and short >= GRAM_MIN_SHORT else "standard"
+    wide_enough = long >= min_aspect * short
+    return "gram" if wide_enough and short >= max(min_short, GRAM_MIN_SHORT) else "standard"
 
 
 def ns_flops(
@@ -38,16 +44,18 @@ def ns_flops(
     restarts: Collection[int] | None = None,
     sym_discount: float = 0.5,
     min_aspect: float = GRAM_MIN_ASPECT,
+    min_short: int = GRAM_MIN_SHORT,
 ) -> float:
     """FLOPs (2 per multiply-add) of orthogonalizing `shape` (leading dims: a batch); a symmetric
-    product costs `sym_discount` of the full GEMM (0.5: ideal SYRK); `min_aspect` as `ns_method`."""
+    product costs `sym_discount` of the full GEMM (0.5: ideal SYRK); `min_aspect`, `min_short` as
+    `ns_method`."""
     rows, cols = shape[-2], shape[-1]
     batch = math.prod(shape[:-2])
     n, m = min(rows, cols), max(rows, cols)
     sym_nm = 2.0 * n * n * m * sym_discount  # X·Xᵀ
     sym_nn = 2.0 * n**3 * sym_discount  # product of two commuting symmetric n×n matrices
     full_nm = 2.0 * n * n * m  # (n×n)·(n×m)
-    if ns_method(shape, method, min_aspect) == "standard":
+    if ns_method(shape, method, min_aspect, min_short) == "standard":
         return batch * steps * (sym_nm + sym_nn + full_nm)
     rs = set(default_restarts(steps) if restarts is None else restarts)
     total = 0.0
@@ -75,9 +83,10 @@ def team_form(
     k: int,
     method: str = "auto",
     min_aspect: float = GRAM_MIN_ASPECT,
+    min_short: int = GRAM_MIN_SHORT,
 ) -> str:
     """The form a team of `k` runs on one matrix of `shape` (`orthogonalize_team`'s choice)."""
-    return ns_method(member_shape(shape, k), method, min_aspect)
+    return ns_method(member_shape(shape, k), method, min_aspect, min_short)
 
 
 def team_flops(
@@ -90,12 +99,13 @@ def team_flops(
     restarts: Collection[int] | None = None,
     sym_discount: float = 0.5,
     min_aspect: float = GRAM_MIN_ASPECT,
+    min_short: int = GRAM_MIN_SHORT,
 ) -> float:
     """FLOPs one member of a team of `k` runs for its `share` of `shape`'s long side: the Gram
     form's m×m iteration whole on every member, the standard form's X_i·X_iᵀ and B·X_i on the
     share and a ⌈m/k⌉-row block of b·A + c·A² (proofs/team_ns.md claim 5)."""
     m = min(shape[-2:])
-    form = team_form(shape, k, method, min_aspect)
+    form = team_form(shape, k, method, min_aspect, min_short)
     if form == "gram":
         return ns_flops(
             (m, share), steps=steps, method="gram", restarts=restarts, sym_discount=sym_discount
@@ -111,6 +121,7 @@ def team_bytes(
     method: str = "auto",
     restarts: Collection[int] | None = None,
     min_aspect: float = GRAM_MIN_ASPECT,
+    min_short: int = GRAM_MIN_SHORT,
     itemsize: int = 2,
 ) -> float:
     """Bytes a member of a team of `k` sends and receives per call, as `CommCounter` books them
@@ -119,7 +130,7 @@ def team_bytes(
     standard step the all-gather of B's ⌈m/k⌉-row blocks in the iteration dtype (`itemsize`)."""
     m, share = min(shape[-2:]), (k - 1) / k
     rs = default_restarts(steps) if restarts is None else restarts
-    standard = team_form(shape, k, method, min_aspect) == "standard"
+    standard = team_form(shape, k, method, min_aspect, min_short) == "standard"
     reduces = steps if standard else 1 + len(set(rs))
     gathered = 16 * k + (steps * k * -(-m // k) * m * itemsize if standard else 0)
     return share * (reduces * 2 * 4 * m * m + gathered)

@@ -24,10 +24,10 @@ import torch.distributed as dist
 import custom_ops
 
 from ..comm._mesh import broadcast_json
-from ._cost import GRAM_MIN_ASPECT, default_restarts
+from ._cost import GRAM_MIN_ASPECT, GRAM_MIN_SHORT, default_restarts
 from ._iteration import gram, normalize, schedule, standard
 
-FORMAT = 2  # of the dispatch cache files and of the identity; bump when the procedure changes
+FORMAT = 3  # of the dispatch cache files and of the identity; bump when the procedure changes
 BF16_WIN = 1.2  # bf16 iterates round more than fp32: take them only for a clear speed-up
 STRIP_WIN = 0.95  # strips must save 5% over one GEMM (whose result is the plain product)
 REPS = 3
@@ -36,6 +36,7 @@ STRIP_SIZES = (256, 512, 1024)
 STRIP_COUNTS = (1, 2, 4, 8)
 PROBE_SHORT = 512
 PROBE_ASPECTS = (1.5, 2.0, 2.5, 3.0, 4.0)
+PROBE_SHORTS = (64, 128, 256)  # below PROBE_SHORT, at the widest probe aspect: where Gram pays
 TRIANGLE_SIZES = (1024, 2048, 4096, 8192)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _log = logging.getLogger("dmuon_fn")
@@ -156,8 +157,9 @@ def choose_strips(times: Mapping[int, Mapping[int, float]]) -> tuple[tuple[int, 
     return tuple(table)
 
 
-def choose_triangle_rows(times: Mapping[int, tuple[float, float]]) -> float:
-    """Rows from which the triangle kernel runs (inf: never); times[n] = (one GEMM, triangle)."""
+def choose_rows(times: Mapping[int, tuple[float, float]]) -> float:
+    """Rows from which a challenger runs (inf: never); times[n] = (incumbent, challenger) at n
+    rows: e.g. (one GEMM, the triangle kernel), (standard NS, Gram NS)."""
     n = choose_aspect(times)
     return n if math.isinf(n) else float(round(_start(sorted(times), n)))
 
@@ -169,11 +171,18 @@ class CpuDispatch:  # the CPU's Newton-Schulz choices
     strips: tuple[tuple[int, int], ...]  # the CPU SYRK's strip table, ((min_rows, strips), ...)
     why: str  # the reason for the dtype, as `get_ns_backend()` prints it
     source: str = "measured"  # or "cache", "rank 0"
+    gram_min_short: int = GRAM_MIN_SHORT  # and from this short side (below it standard NS wins)
 
     def to_json(self) -> dict:
         aspect = None if math.isinf(self.gram_min_aspect) else self.gram_min_aspect
         strips = [list(s) for s in self.strips]
-        return dict(dtype=str(self.dtype)[6:], gram_min_aspect=aspect, strips=strips, why=self.why)
+        return dict(
+            dtype=str(self.dtype)[6:],
+            gram_min_aspect=aspect,
+            gram_min_short=self.gram_min_short,
+            strips=strips,
+            why=self.why,
+        )
 
     @classmethod
     def from_json(cls, d: Mapping, source: str) -> CpuDispatch:
@@ -182,12 +191,26 @@ class CpuDispatch:  # the CPU's Newton-Schulz choices
             dtype = _DTYPES[d["dtype"]]
             aspect = math.inf if d["gram_min_aspect"] is None else float(d["gram_min_aspect"])
             strips = custom_ops.check_cpu_strips([tuple(s) for s in d["strips"]])
-            why = d["why"]
+            why, short = d["why"], d["gram_min_short"]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a CPU dispatch record: {e}") from e
-        if not (aspect >= 1.0 and isinstance(why, str) and why):
+        whole = isinstance(short, int) and not isinstance(short, bool)
+        if not (
+            aspect >= 1.0 and whole and short >= GRAM_MIN_SHORT and isinstance(why, str) and why
+        ):
             raise ValueError(f"not a CPU dispatch record: {dict(d)!r}")
-        return cls(dtype, aspect, strips, why, source)
+        return cls(dtype, aspect, strips, why, source, short)
+
+
+def spin_up(seconds: float = 0.3) -> None:
+    """Run fp32 and bf16 GEMMs for `seconds`: a CPU's first GEMMs after idle can run at a
+    fraction of its rate (an Intel Xeon with AMX: 0.4-0.8 TFLOP/s in bf16 for the first few
+    calls, then 0.9, or 2.2 once), which would charge whichever candidate a race runs first."""
+    a = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=torch.float32, device="cpu")
+    b, end = a.bfloat16(), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+        b @ b
 
 
 def _gemm_times() -> tuple[float, float]:
@@ -206,16 +229,33 @@ def _strip_times(dtype: torch.dtype) -> dict[int, dict[int, float]]:
     return out
 
 
+def _form_times(dtype: torch.dtype, short: int, aspect: float) -> tuple[float, float]:
+    """(standard, Gram) NS seconds on a short×(aspect·short) matrix in `dtype`."""
+    rows, restarts = schedule("polar_express", 5), frozenset(default_restarts(5))
+    G = torch.randn(short, round(aspect * short), dtype=torch.float32, device="cpu")
+    X = normalize(G, 1e-7, dtype)
+    runs = {"standard": lambda: standard(X, rows, "cpu_syrk")}
+    runs["gram"] = lambda: gram(X.clone(), rows, restarts, "cpu_syrk")
+    t = race(runs, 2 * REPS)  # close races at a shared machine's noise: more runs
+    return t["standard"], t["gram"]
+
+
 def _method_times(dtype: torch.dtype) -> dict[float, tuple[float, float]]:
-    rows, restarts, out = schedule("polar_express", 5), frozenset(default_restarts(5)), {}
-    for a in PROBE_ASPECTS:
-        G = torch.randn(PROBE_SHORT, round(a * PROBE_SHORT), dtype=torch.float32, device="cpu")
-        X = normalize(G, 1e-7, dtype)
-        runs = {"standard": lambda X=X: standard(X, rows, "cpu_syrk")}
-        runs["gram"] = lambda X=X: gram(X.clone(), rows, restarts, "cpu_syrk")
-        t = race(runs, 2 * REPS)  # close races at a shared machine's noise: more runs
-        out[a] = (t["standard"], t["gram"])
-    return out
+    return {a: _form_times(dtype, PROBE_SHORT, a) for a in PROBE_ASPECTS}
+
+
+def _short_times(dtype: torch.dtype, widest: tuple[float, float]) -> dict[int, tuple[float, float]]:
+    """(standard, Gram) seconds at the widest probe aspect per short side of PROBE_SHORTS, and
+    `widest` (PROBE_SHORT's, already measured)."""
+    out = {n: _form_times(dtype, n, PROBE_ASPECTS[-1]) for n in PROBE_SHORTS}
+    return {**out, PROBE_SHORT: widest}
+
+
+def choose_short(times: Mapping[int, tuple[float, float]]) -> int:
+    """The short side from which Gram NS runs (`choose_rows` of (standard, Gram) times), never
+    below GRAM_MIN_SHORT; inf (Gram never won) leaves the aspect rule to say never."""
+    rows = choose_rows(times)
+    return GRAM_MIN_SHORT if math.isinf(rows) else max(int(rows), GRAM_MIN_SHORT)
 
 
 def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
@@ -225,6 +265,7 @@ def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
     if native_bf16(flags) is False:
         dtype, why = torch.float32, f"no native bf16 matmul: {cap}"
     else:
+        spin_up()
         t32, t16 = _gemm_times()
         dtype = torch.bfloat16 if choose_dtype(t32, t16) else torch.float32
         ratio = f"{t32 / t16:.2g}x faster" if t16 < t32 else f"{t16 / t32:.2g}x slower"
@@ -232,14 +273,17 @@ def measure(flags: frozenset[str] | None = None) -> CpuDispatch:
     with torch.no_grad():
         strips = choose_strips(_strip_times(dtype))
         custom_ops.set_cpu_strips(strips)
-        aspect = choose_aspect(_method_times(dtype))
-    return CpuDispatch(dtype, aspect, strips, why)
+        by_aspect = _method_times(dtype)
+        aspect = choose_aspect(by_aspect)
+        short = choose_short(_short_times(dtype, by_aspect[PROBE_ASPECTS[-1]]))
+    return CpuDispatch(dtype, aspect, strips, why, gram_min_short=short)
 
 
 _current: CpuDispatch | None = None
 # Its dtype and ratio as plain globals, for torch.compile's guards (proofs/ns_notes.md).
 _DTYPE: torch.dtype | None = None
 _ASPECT: float | None = None
+_SHORT: int | None = None
 
 
 def _read(path: Path, ident: dict) -> CpuDispatch | None:
@@ -275,10 +319,15 @@ def _load_or_measure() -> CpuDispatch:
 
 def install(d: CpuDispatch | None) -> CpuDispatch | None:
     """Make `d` this process's CPU dispatch, strip table included; None forgets it."""
-    global _current, _DTYPE, _ASPECT
+    global _current, _DTYPE, _ASPECT, _SHORT
     if d is not None:
         custom_ops.set_cpu_strips(d.strips)
-    _current, _DTYPE, _ASPECT = d, d and d.dtype, d and d.gram_min_aspect
+    _current, _DTYPE, _ASPECT, _SHORT = (
+        d,
+        d and d.dtype,
+        d and d.gram_min_aspect,
+        d and d.gram_min_short,
+    )
     return d
 
 
@@ -301,7 +350,7 @@ def agree(group: dist.ProcessGroup | None = None) -> CpuDispatch:
 
 
 @torch.compiler.assume_constant_result
-def _decide(field: str) -> torch.dtype | float:
+def _decide(field: str) -> torch.dtype | float | int:
     return getattr(cpu_dispatch(), field)
 
 
@@ -329,9 +378,24 @@ def gram_min_aspect(device: torch.device) -> float:
     return _ASPECT if _ASPECT is not None else _decide("gram_min_aspect")
 
 
-def agreed_aspect(device: torch.device) -> float:
-    """The Gram ratio a job plans with: on a CPU rank 0's, `agree`d over the world."""
-    return agree().gram_min_aspect if device.type == "cpu" else GRAM_MIN_ASPECT
+def gram_min_short(device: torch.device) -> int:
+    """The short side from which `method="auto"` runs Gram NS on the device."""
+    if device.type != "cpu":
+        return GRAM_MIN_SHORT
+    return _SHORT if _SHORT is not None else _decide("gram_min_short")
+
+
+def gram_rule(device: torch.device) -> dict[str, float]:
+    """Where `method="auto"` runs Gram NS on the device, as `partition`'s keywords."""
+    return {"gram_min_aspect": gram_min_aspect(device), "gram_min_short": gram_min_short(device)}
+
+
+def agreed_gram(device: torch.device) -> dict[str, float]:
+    """The Gram rule a job plans with (`gram_rule`): on a CPU rank 0's, `agree`d over the world."""
+    if device.type != "cpu":
+        return gram_rule(device)
+    d = agree()
+    return {"gram_min_aspect": d.gram_min_aspect, "gram_min_short": d.gram_min_short}
 
 
 def dtype_reason(device: torch.device) -> str:
@@ -347,7 +411,8 @@ def setup_field(device: torch.device) -> str:
     """The device's choices as one string, for the cross-rank setup check."""
     if device.type == "cpu":
         return json.dumps(cpu_dispatch().to_json(), sort_keys=True)
-    return f"{iteration_dtype(device)}, Gram from {gram_min_aspect(device):g}"
+    rule = f"Gram from {gram_min_aspect(device):g} and {gram_min_short(device)} rows"
+    return f"{iteration_dtype(device)}, {rule}"
 
 
 def cuda_triangle_rows(device: torch.device) -> float:
@@ -369,7 +434,7 @@ def cuda_triangle_rows(device: torch.device) -> float:
                 runs = {k: (lambda f=f, A=A: f(A, A.mT, None, 1.0, 0.0)) for k, f in fns.items()}
                 t = race(runs, 2 * REPS, clock=cuda_clock)
                 times[n] = (t["gemm"], t["triangle"])
-        rows = choose_triangle_rows(times)
+        rows = choose_rows(times)
         _log.info("dmuon_fn: %s from %s rows on cuda:%d (%s)", kernel.name, rows, index, times)
     custom_ops.set_cuda_triangle_rows(index, rows)
     return rows

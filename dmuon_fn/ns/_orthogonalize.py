@@ -27,7 +27,13 @@ from torch import Tensor
 import custom_ops
 
 from ._cost import GRAM_MIN_SHORT, default_restarts, ns_method
-from ._dispatch import dtype_reason, gram_min_aspect, iteration_dtype, kernel_choice
+from ._dispatch import (
+    dtype_reason,
+    gram_min_aspect,
+    gram_min_short,
+    iteration_dtype,
+    kernel_choice,
+)
 from ._iteration import gram, halves, normalize, plain_eager, schedule, standard
 
 _ITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -123,9 +129,9 @@ def iteration(cfg: NSConfig, G: Tensor, shape: Sequence[int]) -> tuple[torch.dty
     device's dispatch (on a CPU: also the SYRK strip table) whatever cfg says."""
     short = int(shape[0])
     impl = kernel_choice(cfg.kernel, G.device, short if G.device.type == "cuda" else None)
-    aspect = gram_min_aspect(G.device)
+    aspect, least = gram_min_aspect(G.device), gram_min_short(G.device)
     it = cfg.dtype or (torch.float64 if G.dtype == torch.float64 else iteration_dtype(G.device))
-    method = ns_method(tuple(shape), cfg.method, aspect)
+    method = ns_method(tuple(shape), cfg.method, aspect, least)
     if method == "gram" and short < GRAM_MIN_SHORT and it.itemsize < 4:
         raise ValueError(
             f"method='gram' in {it} needs a short side of at least {GRAM_MIN_SHORT} "
@@ -163,7 +169,8 @@ def get_ns_backend(
     elif math.isinf(aspect):
         how = "Standard NS (Gram NS measured slower here at every aspect ratio)"
     else:
-        how = f"Gram NS (long/short >= {aspect:g}, short >= {GRAM_MIN_SHORT}; else standard NS)"
+        least = gram_min_short(device)
+        how = f"Gram NS (long/short >= {aspect:g}, short >= {least}; else standard NS)"
     it = dtype or iteration_dtype(device)
     why = "dtype=" if dtype else dtype_reason(device)
     return f"{how} · {custom_ops.describe(resolved, device)} · iterate in {str(it)[6:]} ({why})"

@@ -18,7 +18,7 @@ from custom_ops._lpt import SPREAD_TOLERANCE, schedule
 from custom_ops._lpt import slot_loads as per_slot_sums
 
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
-from ..ns._cost import GRAM_MIN_ASPECT, ns_flops, ns_method, team_bytes, team_flops
+from ..ns._cost import GRAM_MIN_ASPECT, GRAM_MIN_SHORT, ns_flops, ns_method, team_bytes, team_flops
 from ._layers import layer_keys
 from ._slices import check_teams, parse_piece, slice_rows, spread_columns
 from ._tensor import LOCAL, keeps_matrices
@@ -197,6 +197,7 @@ def partition(
     refine: bool = True,
     spread_tolerance: float = SPREAD_TOLERANCE,
     gram_min_aspect: float = GRAM_MIN_ASPECT,
+    gram_min_short: int = GRAM_MIN_SHORT,
     tensor_size: int = 1,
     layouts: Mapping[str, str] | None = None,
     blocks: Mapping[str, Blocks | str] | None = None,
@@ -208,7 +209,7 @@ def partition(
 
     world_size: slots = ranks of the job (shard_size · replicate_size under HSDP).
     elementwise: names of >= 2 dims updated elementwise (AdamW), costed by size.
-    steps, method, sym_discount, gram_min_aspect: as `orthogonalize` will run (`ns_flops`).
+    steps, method, sym_discount, gram_min_aspect, gram_min_short: as `orthogonalize` runs.
     bytes_per_elem, flops_per_byte: the byte term (fp32 master: 4 bytes).
     refine: False gives plain LPT; True adds refinement, layer spreading and byte balance.
     spread_tolerance: how much longer than the refined unspread schedule the layer-spread one
@@ -242,6 +243,7 @@ def partition(
     for key, val in (("flops_per_byte", flops_per_byte), ("spread_tolerance", spread_tolerance)):
         _check(key, val, lambda v: 0 <= v < math.inf, "finite and >= 0")
     _check("gram_min_aspect", gram_min_aspect, lambda v: v >= 1.0, ">= 1 (inf: never Gram)")
+    gram_min_short = _check_int("gram_min_short", gram_min_short, 1)
     tensor_size = _check_int("tensor_size", tensor_size, 1)
     whole = not (slices and tensor_size == 1 and layouts is None)  # every parameter whole
     check_teams(teams or {}, world_size // replicate_size, whole)
@@ -257,10 +259,11 @@ def partition(
     nbytes = [math.prod(sh) * bytes_per_elem for sh in shapes]
     specs = _specs(names, shapes, matrix, blocks or {})
     ns_kw = {"steps": steps, "method": method, "sym_discount": sym_discount}
+    rule = {"min_aspect": gram_min_aspect, "min_short": gram_min_short}
 
     def ns_of(spec: Blocks | None, shape: tuple[int, ...]) -> float:
         pairs = block_shapes(spec, shape) if spec else ()
-        return math.fsum(k * ns_flops(mn, **ns_kw, min_aspect=gram_min_aspect) for k, mn in pairs)
+        return math.fsum(k * ns_flops(mn, **ns_kw, **rule) for k, mn in pairs)
 
     def byte_cost(shape: tuple[int, ...]) -> float:
         return flops_per_byte * math.prod(shape) * bytes_per_elem
@@ -270,8 +273,8 @@ def partition(
 
     def team_cost(sh: tuple[int, ...], share: int, k: int) -> tuple[float, float]:
         """A team member's (NS FLOPs, collective bytes)."""
-        flops = team_flops(sh, share, k, **ns_kw, min_aspect=gram_min_aspect)
-        return flops, team_bytes(sh, k, steps=steps, method=method, min_aspect=gram_min_aspect)
+        flops = team_flops(sh, share, k, **ns_kw, **rule)
+        return flops, team_bytes(sh, k, steps=steps, method=method, **rule)
 
     def member(sh: tuple[int, ...], share: int, k: int) -> float:  # its cost
         flops, comm = team_cost(sh, share, k)
@@ -305,14 +308,11 @@ def partition(
     units = list(by_unit.values())
     layer_id = {k: j for j, k in enumerate(sorted(set(keys.values())))}
     u_slot = schedule(
-        [math.fsum(costs[i] for i in u) for u in units],
-        world_size,
+        [math.fsum(costs[i] for i in u) for u in units], world_size,
         groups=[layer_id[keys[names[u[0]]]] if matrix[u[0]] else -1 for u in units],
         nbytes=[sum(nbytes[i] for i in u) for u in units],
-        replicate=replicate_size,
-        refined=refine,
-        spread_tolerance=spread_tolerance,
-    )
+        replicate=replicate_size, refined=refine, spread_tolerance=spread_tolerance,
+    )  # fmt: skip
     slots = [0] * len(names)
     for u, s in zip(units, u_slot, strict=True):
         for i in u:
@@ -365,8 +365,8 @@ def partition(
 
 _OPTIONS = (  # partition's keywords but `slices` and `teams`
     *("replicate_size", "elementwise", "steps", "method", "sym_discount", "bytes_per_elem"),
-    *("flops_per_byte", "refine", "spread_tolerance", "gram_min_aspect", "tensor_size"),
-    *("layouts", "blocks"),
+    *("flops_per_byte", "refine", "spread_tolerance", "gram_min_aspect", "gram_min_short"),
+    *("tensor_size", "layouts", "blocks"),
 )
 
 

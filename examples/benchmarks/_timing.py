@@ -12,13 +12,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dmuon_fn as dmuon
-from dmuon_fn.ns._dispatch import cpu_flags, cpu_model
+from dmuon_fn.ns._dispatch import cpu_flags, cpu_model, spin_up
 
 
 def interleaved_median(
     fns: dict[str, Callable[[], object]], reps: int = 7, warmup: bool = True
 ) -> dict[str, float]:
-    """Median seconds per call, the candidates run round-robin so drift hits all alike."""
+    """Median seconds per call, the candidates run round-robin so drift hits all alike; warmup:
+    one call each, after `spin_up`."""
+    if warmup:
+        spin_up()
     for fn in fns.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}

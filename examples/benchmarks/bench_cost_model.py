@@ -22,7 +22,7 @@ from _timing import machine
 
 import dmuon_fn
 from dmuon_fn.ns._cost import ns_flops, ns_method
-from dmuon_fn.ns._dispatch import gram_min_aspect
+from dmuon_fn.ns._dispatch import gram_rule
 from dmuon_fn.planning._partition import FLOPS_PER_BYTE, partition
 
 SHAPES = [
@@ -63,15 +63,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {machine()}; backend {dmuon_fn.get_ns_backend()}")
-    aspect = gram_min_aspect(torch.device("cpu"))  # the ratio orthogonalize(G) runs Gram from
+    rule = gram_rule(torch.device("cpu"))  # where orthogonalize(G) runs Gram
+    aspect, least = rule["gram_min_aspect"], rule["gram_min_short"]
     print("| shape | method | GFLOP | MB fp32 | time ms | ns/FLOP |")
     print("|---|---|---|---|---|---|")
     rows = []
     for shape, t in zip(SHAPES, _times(SHAPES, args.repeats), strict=True):
-        flops, nbytes = ns_flops(shape, min_aspect=aspect), 4 * shape[0] * shape[1]
-        cost = partition({"w": shape}, 1, gram_min_aspect=aspect).costs[0]  # the planner's
+        flops = ns_flops(shape, min_aspect=aspect, min_short=least)
+        nbytes = 4 * shape[0] * shape[1]
+        cost = partition({"w": shape}, 1, **rule).costs[0]  # the planner's
         rows.append((shape, flops, nbytes, cost, t))
-        method = ns_method(shape, min_aspect=aspect)
+        method = ns_method(shape, min_aspect=aspect, min_short=least)
         print(f"| {shape[0]}×{shape[1]} | {method} | {flops / 1e9:.2f} | "
               f"{nbytes / 1e6:.2f} | {t * 1e3:.2f} | {t / flops * 1e9:.3f} |")  # fmt: skip
     logt = [math.log(r[4]) for r in rows]

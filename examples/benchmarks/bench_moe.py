@@ -41,7 +41,7 @@ from _timing import machine
 
 import dmuon_fn
 from dmuon_fn.ns._blocks import orthogonalize_blocks
-from dmuon_fn.ns._dispatch import dtype_reason, gram_min_aspect, iteration_dtype
+from dmuon_fn.ns._dispatch import dtype_reason, gram_min_aspect, gram_rule, iteration_dtype
 from dmuon_fn.planning._slices import parse_piece
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,11 +104,9 @@ def measure_layer(experts: int, inter: int, hidden: int, dtypes, reps: int) -> l
     gen = torch.Generator().manual_seed(experts)
     grads = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
     blocks = {"layers.0.mlp.experts.gate_up_proj": f"batch1,rows={inter}+{inter}"}
-    aspect = gram_min_aspect(torch.device("cpu"))
+    rule = gram_rule(torch.device("cpu"))
     plans = {
-        sl: dmuon_fn.partition(
-            shapes, LAYER_RANKS, blocks=blocks, slices=sl, gram_min_aspect=aspect
-        )
+        sl: dmuon_fn.partition(shapes, LAYER_RANKS, blocks=blocks, slices=sl, **rule)
         for sl in (False, True)
     }
     works = {sl: rank_work(p, grads) for sl, p in plans.items()}

@@ -38,7 +38,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 import custom_ops._kernels.cpu as kernels
 import dmuon_fn
 from dmuon_fn.ns._cost import ns_flops, ns_method
-from dmuon_fn.ns._dispatch import gram_min_aspect, iteration_dtype
+from dmuon_fn.ns._dispatch import gram_min_aspect, gram_min_short, iteration_dtype
 
 CANDIDATES = [(dt, m) for dt in (torch.bfloat16, torch.float32) for m in ("standard", "gram")]
 KELLER = (3.4445, -4.775, 2.0315)
@@ -102,7 +102,8 @@ def floor_seconds(shape: tuple[int, int], reps: int) -> float:
     strips compute them, over `gemm_rate` in the iteration dtype."""
     cpu = torch.device("cpu")
     n = min(shape)
-    flops = ns_flops(shape, min_aspect=gram_min_aspect(cpu), sym_discount=kernels.strip_share(n))
+    rule = {"min_aspect": gram_min_aspect(cpu), "min_short": gram_min_short(cpu)}
+    flops = ns_flops(shape, **rule, sym_discount=kernels.strip_share(n))
     return flops / gemm_rate(shape, iteration_dtype(cpu), reps)
 
 
@@ -149,7 +150,8 @@ def main() -> None:
         err = {k: polar_error(fn(), G) for k, fn in fns.items() if k != "torch.optim.Muon step"}
         if not args.no_bf16:
             err["torch.optim.Muon step"] = err["torch NS bf16"]
-        picked = name(iteration_dtype(cpu), ns_method(shape, "auto", gram_min_aspect(cpu)))
+        form = ns_method(shape, "auto", gram_min_aspect(cpu), gram_min_short(cpu))
+        picked = name(iteration_dtype(cpu), form)
         print(f"\n{shape[0]}×{shape[1]}: the default runs {picked}\n")
         print("| candidate | ms | error vs polar factor |")
         print("|---|---|---|")
