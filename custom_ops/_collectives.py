@@ -63,11 +63,10 @@ def wait_all(works: Iterable) -> None:
 
 
 SEND_TAG = 0x6D75  # the pair reduce's transfers: apart from tag 0, on which user code sends
-# the largest gloo group whose reduces go as direct transfers (the owner holds group - 1 inboxes).
-# Larger groups measure faster too (4 ranks, 128 KB: 0.57 ms against gloo's reduce 3.6 ms; 1 MB:
-# 2.6 against 3.8 ms) and pass every test, but 4-rank jobs with them aborted in gloo ("terminate
-# called without an active exception") in 2 of 3 full test runs, unexplained: held at two.
-SEND_REDUCE_MAX = 2
+# the largest gloo group whose reduces go as direct transfers (the owner holds group - 1 inboxes):
+# four reduces of 64-256 KB took 1.4 ms against gloo's reduce 12 ms on 4 ranks, 4.4 against 55 ms
+# on 8 (BENCHMARKS.md, issue 27); larger groups were not measured.
+SEND_REDUCE_MAX = 8
 
 
 class SendReduce:
