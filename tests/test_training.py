@@ -21,9 +21,9 @@ from tests._models import HP, batch, is_proj, make, meshes, muon_fp32, reference
 TOL = 5e-5
 
 
-def _setup(world, hsdp=False, predicate=is_proj, mp=None, **opt_kw):
+def _setup(world, hsdp=False, predicate=is_proj, mp=None, name="mlp", **opt_kw):
     mesh, rep = meshes(world, hsdp)
-    model = make("mlp")
+    model = make(name)
     kw = {} if mp is None else {"param_dtype": mp}
     dmuon.dedicate_params(model, mesh, predicate, replicate_mesh=rep, **kw)
     full_mesh = mesh if rep is None else mesh._get_root_mesh()
@@ -240,32 +240,51 @@ def test_nonfinite_gradient_raises_on_every_rank_when_asked(clip):
 
 
 def _verdict_order(rank, world, clip):
-    """The Newton-Schulz runs this rank had made when the step asked for the guard's verdict."""
-    model, opt = _setup(world, max_grad_norm=clip)
-    seen, check = [], opt.guard.check
+    """Per step: the Newton-Schulz runs this rank had made when the step asked for the guard's
+    verdict, the bytes of computed updates it then held unwritten, its largest update's bytes and
+    the bytes left unwritten after the step; and its Newton-Schulz runs in all."""
+    from dmuon_fn.optim import _guard
+
+    # matrices of two sizes, the smaller ones first in the forward
+    model, opt = _setup(world, max_grad_norm=clip, name="transformer")
+    seen, check, update, write = [], opt.guard.check, opt._update, _guard.write
+    held = [0, 0]  # unwritten now, the largest single update
 
     def recorded():
-        seen.append(opt.ns_calls)
+        seen.append([opt.ns_calls, held[0]])
         return check()
 
-    opt.guard.check = recorded
+    def updated(*args):
+        writes = update(*args)
+        size = sum(new.numel() * new.element_size() for _, new in writes)
+        held[0], held[1] = held[0] + size, max(held[1], size)
+        return writes
+
+    def written(dst, new, ok):
+        held[0] -= new.numel() * new.element_size()
+        return write(dst, new, ok)
+
+    opt.guard.check, opt._update, _guard.write = recorded, updated, written
     for step in range(2):
         opt.zero_grad()
-        model(batch("mlp", step, rank)).backward()
-        before = opt.ns_calls
+        model(batch("transformer", step, rank)).backward()
+        before, held[1] = opt.ns_calls, 0
         opt.step()
-        seen[-1] -= before
+        seen[-1] = (seen[-1][0] - before, seen[-1][1], held[1], held[0])
     return seen, opt.ns_calls
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_the_verdict_waits_for_the_first_update_unless_it_changes_it(clip):
-    """Without a clip the guard's all-reduce flies while each rank computes its first update
-    (here a Newton-Schulz run: every rank owns a matrix), the verdict awaited before its write;
-    with a clip coefficient to apply, the verdict comes before any update (proofs/guard.md 2b)."""
+    """Without a clip the guard's all-reduce flies while each rank computes its first update, its
+    largest matrix's Newton-Schulz (every rank owns one here), held unwritten until the verdict;
+    with a clip coefficient to apply, the verdict comes before any update (proofs/guard.md 2b).
+    Every update is written."""
     for seen, runs in run_ranks(_verdict_order, 2, clip):
         assert runs > 0
-        assert seen == ([1, 1] if clip is None else [0, 0]), seen
+        for ns_before, held, largest, left in seen:
+            assert left == 0, seen
+            assert (ns_before, held) == ((1, largest) if clip is None else (0, 0)), seen
 
 
 def _zero(rank: int, world: int):

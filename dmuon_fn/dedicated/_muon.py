@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
@@ -160,6 +161,8 @@ class Muon(torch.optim.Optimizer):
         first = sched.step_gathers(self.gather_in_step)  # id(param) -> its first unit
         items = [(g, p) for g in self.param_groups for p in g["params"]]
         items.sort(key=lambda it: first.get(id(it[1]), -1))  # stable (proofs/prefetch.md claim 9)
+        if early and not self.gather_in_step:  # the largest matrix first: its Newton-Schulz
+            items.sort(key=lambda it: _heavy_first(self.st, *it))  # hides the verdict's wait
         exchange = self._exchange(items, ok) if self.st.tensor else None
         for group, p in items:
             sched.step_gather_until(first.get(id(p), -1))
@@ -303,6 +306,13 @@ def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[d
     hyper = config.groups()
     kinds = (("muon", muon), ("adamw", adamw))
     return [dict(params=ps, kind=kind, **hyper[kind]) for kind, ps in kinds if ps]
+
+
+def _heavy_first(st: DedicatedState, group: dict, p: Tensor) -> tuple[bool, int]:
+    """A sort key, the same on every rank (proofs/guard.md 2b): Muon's matrices before the
+    elementwise parameters, each by its whole parameter's size, largest first."""
+    e = st.entry(p)
+    return group["kind"] != "muon", -math.prod(e.full_shape if e is not None else p.shape)
 
 
 def _clip_entries(st: DedicatedState, config: Config) -> dict[str, Any]:
