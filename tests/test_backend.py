@@ -11,7 +11,8 @@ import torch
 import custom_ops
 from custom_ops import _kernels
 from dmuon_fn import get_ns_backend, orthogonalize
-from dmuon_fn.ns._dispatch import choose_rows, cpu_dispatch
+from dmuon_fn.ns._calibrate import choose_rows
+from dmuon_fn.ns._dispatch import cpu_dispatch
 
 
 def test_default_cpu_line_names_this_machines_choice(monkeypatch):

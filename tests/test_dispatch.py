@@ -25,15 +25,15 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import custom_ops
 import dmuon_fn
 from custom_ops._kernels.cpu import _cpu_blocks
-from dmuon_fn.ns import _dispatch
-from dmuon_fn.ns._cost import GRAM_MIN_SHORT, ns_flops
-from dmuon_fn.ns._dispatch import (
+from dmuon_fn.ns import _calibrate, _dispatch
+from dmuon_fn.ns._calibrate import (
     CpuDispatch,
     choose_aspect,
     choose_dtype,
     choose_short,
     choose_strips,
 )
+from dmuon_fn.ns._cost import GRAM_MIN_SHORT, ns_flops
 from dmuon_fn.planning._partition import FLOPS_PER_BYTE
 from tests._dist import run_ranks
 
@@ -134,18 +134,18 @@ def test_gram_from_the_smallest_short_side_it_wins_from_there_on(rows):
 
 def _fake_measurements(monkeypatch, t_fp32: float, t_bf16: float) -> list:
     timed = []
-    monkeypatch.setattr(_dispatch, "_gemm_times", lambda: timed.append("gemm") or (t_fp32, t_bf16))
-    monkeypatch.setattr(_dispatch, "_strip_times", lambda dt: {512: {1: 1.0, 2: 0.5}})
-    monkeypatch.setattr(_dispatch, "_method_times", lambda dt: {2.0: (1.0, 2.0), 4.0: (2.0, 1.0)})
+    monkeypatch.setattr(_calibrate, "_gemm_times", lambda: timed.append("gemm") or (t_fp32, t_bf16))
+    monkeypatch.setattr(_calibrate, "_strip_times", lambda dt: {512: {1: 1.0, 2: 0.5}})
+    monkeypatch.setattr(_calibrate, "_method_times", lambda dt: {2.0: (1.0, 2.0), 4.0: (2.0, 1.0)})
     shorts = {64: (1.0, 2.0), 128: (1.0, 1.5), 256: (2.0, 1.0)}
-    monkeypatch.setattr(_dispatch, "_short_times", lambda dt, widest: {**shorts, 512: widest})
+    monkeypatch.setattr(_calibrate, "_short_times", lambda dt, widest: {**shorts, 512: widest})
     return timed
 
 
 def test_a_cpu_without_native_bf16_iterates_in_fp32_unmeasured(monkeypatch):
     timed = _fake_measurements(monkeypatch, 1.0, 0.1)  # a bf16 timing would say "bf16"
     with installed(None):
-        d = _dispatch.measure(AVX2)
+        d = _calibrate.measure(AVX2)
         assert d.dtype == torch.float32 and timed == []
         assert d.why.startswith("no native bf16 matmul")
         assert (d.gram_min_aspect, d.strips) == (4.0, ((362, 2),))
@@ -155,26 +155,24 @@ def test_a_cpu_without_native_bf16_iterates_in_fp32_unmeasured(monkeypatch):
 def test_a_cpu_with_native_bf16_is_measured(monkeypatch):
     with installed(None):
         _fake_measurements(monkeypatch, 10.0, 4.0)
-        assert _dispatch.measure(AVX512_BF16).dtype == torch.bfloat16
+        assert _calibrate.measure(AVX512_BF16).dtype == torch.bfloat16
         _fake_measurements(monkeypatch, 10.0, 500.0)  # flags say bf16, the GEMM disagrees
-        d = _dispatch.measure(AVX512_BF16)
+        d = _calibrate.measure(AVX512_BF16)
         assert d.dtype == torch.float32 and "50x slower" in d.why
         _fake_measurements(monkeypatch, 10.0, 4.0)  # no flags to read (not Linux): measured
-        assert _dispatch.measure(frozenset()).dtype == torch.bfloat16
+        assert _calibrate.measure(frozenset()).dtype == torch.bfloat16
 
 
 def test_flags_decide_native_bf16():
-    assert _dispatch.native_bf16(AVX2) is False
-    assert _dispatch.native_bf16(AVX512_BF16) is True
-    assert _dispatch.native_bf16(frozenset({"fp", "asimd", "bf16"})) is True  # Arm FEAT_BF16
-    assert _dispatch.native_bf16(frozenset()) is None
+    assert _calibrate.native_bf16(AVX2) is False
+    assert _calibrate.native_bf16(AVX512_BF16) is True
+    assert _calibrate.native_bf16(frozenset({"fp", "asimd", "bf16"})) is True  # Arm FEAT_BF16
+    assert _calibrate.native_bf16(frozenset()) is None
 
 
 _REAL = """
-import torch
-from dmuon_fn.ns import _dispatch
-from dmuon_fn.ns._cost import ns_flops
-d = _dispatch.measure()
+from dmuon_fn.ns import _calibrate
+d = _calibrate.measure()
 print(d.dtype, "|", d.why)
 """
 
@@ -191,7 +189,7 @@ def test_emulated_bf16_really_measures_slow_and_picks_fp32(tmp_path):
     assert out.returncode == 0, out.stderr
     dtype, why = out.stdout.strip().split(" | ")
     assert dtype == "torch.float32", out.stdout
-    if _dispatch.native_bf16(_dispatch.cpu_flags()):
+    if _calibrate.native_bf16(_calibrate.cpu_flags()):
         assert "slower than fp32" in why, why
     else:
         assert why.startswith("no native bf16 matmul"), why

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from ..comm._mesh import check_dtype
+from ..ns._calibrate import race
 from ..ns._cost import ns_flops
-from ..ns._dispatch import iteration_dtype, race
+from ..ns._dispatch import iteration_dtype
 from ..ns._orthogonalize import _default_device
 from ._partition import Plan, _check, _check_int
 from ._tensor import tensor_shares

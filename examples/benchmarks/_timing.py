@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dmuon_fn as dmuon
-from dmuon_fn.ns._dispatch import cpu_flags, cpu_model, spin_up
+from dmuon_fn.ns._calibrate import cpu_flags, cpu_model, spin_up
 
 
 def interleaved_median(
