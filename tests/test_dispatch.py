@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,6 +220,16 @@ def test_orthogonalize_and_backend_run_the_installed_choice(monkeypatch):
         assert "one GEMM at every size" in line and "iterate in bfloat16 (measured)" in line
         want = dmuon_fn.orthogonalize(wide, method="standard", dtype=torch.bfloat16)
         assert torch.equal(dmuon_fn.orthogonalize(wide), want)
+    # Gram from 96 rows: the 64-row wide matrix runs standard NS, its 128-row sibling Gram
+    with installed(replace(FIXED, gram_min_short=96)):
+        assert "Gram NS (long/short >= 3, short >= 96; else standard NS)" in (
+            dmuon_fn.get_ns_backend("cpu")
+        )
+        want = dmuon_fn.orthogonalize(wide, method="standard", dtype=torch.float32)
+        assert torch.equal(dmuon_fn.orthogonalize(wide), want)
+        tall = torch.randn(512, 128, generator=g)
+        want = dmuon_fn.orthogonalize(tall, method="gram", dtype=torch.float32)
+        assert torch.equal(dmuon_fn.orthogonalize(tall), want)
 
 
 def test_compiled_orthogonalize_decides_at_trace_time_without_a_break(monkeypatch):
@@ -258,6 +269,21 @@ def test_partition_costs_follow_the_ratio():
     assert p15.costs[1] == p3.costs[1] == 21_757_952 + FLOPS_PER_BYTE * 64 * 512 * 4
     with pytest.raises(ValueError, match="gram_min_aspect"):
         dmuon_fn.partition(shapes, 2, gram_min_aspect=0.5)
+
+
+def test_partition_costs_follow_the_short_side():
+    """Gram NS from a measured short side: a 64-row matrix below it is charged the standard
+    form at every ratio; at or above it, as the ratio says."""
+    shapes = {"a": (64, 128), "b": (64, 512)}
+    std_b = 15 * 64 * 64 * 512 + 5 * 64**3  # standard NS of (64, 512), as ns_flops counts it
+    byte = [FLOPS_PER_BYTE * 64 * n * 4 for n in (128, 512)]
+    above = dmuon_fn.partition(shapes, 2, gram_min_aspect=1.5, gram_min_short=128)
+    assert list(above.costs) == [9_175_040 + byte[0], std_b + byte[1]]
+    assert ns_flops((64, 512), min_short=128) == std_b
+    at = dmuon_fn.partition(shapes, 2, gram_min_aspect=1.5, gram_min_short=64)
+    assert at.costs == dmuon_fn.partition(shapes, 2, gram_min_aspect=1.5).costs
+    with pytest.raises(ValueError, match="gram_min_short"):
+        dmuon_fn.partition(shapes, 2, gram_min_short=0)
 
 
 # ------------------------------------------------------------------ the cache
