@@ -14,8 +14,9 @@ torch.optim.Muon's (<= 1.15x), and the previous default's time over the default'
 Then, per shape, one summary row (issue 27): the default against torch.optim.Muon's Newton-Schulz
 (`_zeropower_via_newtonschulz`: bf16, Keller coefficients, 5 steps) and against the same quintic
 run in fp32, and against the FLOP floor: the FLOPs of the form the default runs (`ns_flops`, a
-symmetric product charged as the strips that run) over a GEMM rate measured at that size in the
-iteration dtype (an n×n by n×m product, n the short side).
+symmetric product charged as the strips that run) at the rate of an n×n by n×m GEMM (n the short
+side) in the iteration dtype, timed among the candidates in the same rounds (its median), so a
+machine whose speed drifts moves the floor with them.
 
 Run: python examples/benchmarks/bench_ns.py [--reps 5] [--shapes 1024x4096,...]
 Slow bf16 (emulated, as on an AVX2-only CPU) on a CPU with AVX-512 BF16:
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import time
 from collections.abc import Iterator
 
 import torch
@@ -84,27 +83,24 @@ def torch_ns(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return X.mT if tall else X
 
 
-def gemm_rate(shape: tuple[int, int], dtype: torch.dtype, reps: int) -> float:
-    """FLOP/s of an n×n by n×m GEMM in `dtype` (n the short side), the best of `reps` (at least
-    5) after a warm-up: the floor is what the GEMM can do, not what a noisy run did."""
+GEMM = "n×n·n×m GEMM"  # timed among the candidates: the floor's rate, in the same rounds
+
+
+def gemm(shape: tuple[int, int], dtype: torch.dtype):
+    """An n×n by n×m GEMM in `dtype` (n the short side), as a candidate to time."""
     n, m = min(shape), max(shape)
     A, X = torch.randn(n, n).to(dtype), torch.randn(n, m).to(dtype)
-    best = math.inf
-    for _ in range(max(reps, 5) + 1):
-        t0 = time.perf_counter()
-        A @ X
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n * n * m / best
+    return lambda: A @ X
 
 
-def floor_seconds(shape: tuple[int, int], reps: int) -> float:
+def floor_seconds(shape: tuple[int, int], gemm_seconds: float) -> float:
     """The FLOPs of the form the default runs, symmetric products charged as the CPU kernel's
-    strips compute them, over `gemm_rate` in the iteration dtype."""
+    strips compute them, at the rate of an n×n·n×m GEMM that took `gemm_seconds`."""
     cpu = torch.device("cpu")
-    n = min(shape)
+    n, m = min(shape), max(shape)
     rule = {"min_aspect": gram_min_aspect(cpu), "min_short": gram_min_short(cpu)}
     flops = ns_flops(shape, **rule, sym_discount=kernels.strip_share(n))
-    return flops / gemm_rate(shape, iteration_dtype(cpu), reps)
+    return flops * gemm_seconds / (2.0 * n * n * m)
 
 
 def name(dt: torch.dtype, method: str) -> str:
@@ -146,7 +142,9 @@ def main() -> None:
             fns["torch.optim.Muon step"] = opt.step
             fns["torch NS bf16"] = lambda: torch_ns(G, torch.bfloat16)
         fns["torch NS fp32"] = lambda: torch_ns(G, torch.float32)
-        t = interleaved_median(fns, reps=args.reps, warmup=bool(args.warmup))
+        t = interleaved_median(
+            {**fns, GEMM: gemm(shape, iteration_dtype(cpu))}, args.reps, bool(args.warmup)
+        )
         err = {k: polar_error(fn(), G) for k, fn in fns.items() if k != "torch.optim.Muon step"}
         if not args.no_bf16:
             err["torch.optim.Muon step"] = err["torch NS bf16"]
@@ -171,7 +169,7 @@ def main() -> None:
         if not args.no_bf16:
             step = t["torch.optim.Muon step"] / t["default"]
             print(f"torch.optim.Muon step / default: {step:.2f}x")
-        floor = floor_seconds(shape, args.reps)
+        floor = floor_seconds(shape, t[GEMM])
         summary.append((spec, picked, t, err, floor))
     print("\n## Newton-Schulz at the FLOP limit: the default vs torch's and vs the FLOP floor\n")
     print(
