@@ -164,11 +164,11 @@ def gram_rule(device: torch.device) -> dict[str, float]:
 
 
 def agreed_gram(device: torch.device) -> dict[str, float]:
-    """The Gram rule a job plans with (`gram_rule`): on a CPU rank 0's, `agree`d over the world."""
-    if device.type != "cpu":
-        return gram_rule(device)
-    d = agree()
-    return {"gram_min_aspect": d.gram_min_aspect, "gram_min_short": d.gram_min_short}
+    """The Gram rule a job plans with: `gram_rule` once a CPU has installed rank 0's choice
+    (`agree`, over the world)."""
+    if device.type == "cpu":
+        agree()
+    return gram_rule(device)
 
 
 def dtype_reason(device: torch.device) -> str:
