@@ -61,6 +61,9 @@ def _train(rank, world, name, hsdp, z3, async_, pure, fsdp2=True, count=False):
         for k, v in comm.stats.items()
     }
     p_m = sum(math.prod(e.shape) * 4 for e in st.entries if e.is_matrix)
+    # Z3: the backward keeps the last unit's copy from the forward (never gathered again)
+    last = st.scheduler.order[-1] if z3 else None
+    p_last = 0 if last is None else sum(4 * e.shape.numel() for g in last.groups for e in g.entries)
     return dict(
         params=full_params(model, st),
         owners=owners,
@@ -68,6 +71,7 @@ def _train(rank, world, name, hsdp, z3, async_, pure, fsdp2=True, count=False):
         step_calls={k: v for k, v in comm.stats["step"].calls.items() if v},
         ours=ours,
         p_m=p_m,
+        p_last=p_last,
         n_matrices=sum(e.is_matrix for e in st.entries),
     )
 
@@ -115,8 +119,9 @@ def _check(world, scenarios, results):
             calls = [r["step_calls"] for r in per_rank]
             assert all(c == {"allreduce_": STEPS} for c in calls), calls
         if not pure and not hsdp:
-            # dedicated-parameter bytes per rank per step vs the floor 2 or 3 (W-1)/W·P_M
-            floor = (3 if z3 else 2) * (world - 1) / world * r0["p_m"]
+            # dedicated-parameter bytes per rank per step vs the floor (W-1)/W·(2 P_M) (Z2) or
+            # (W-1)/W·(3 P_M - the last unit's) (Z3)
+            floor = ((3 if z3 else 2) * r0["p_m"] - r0["p_last"]) * (world - 1) / world
             moved = (
                 sum(
                     r["ours"].get(ph, (0, 0, 0))[2]

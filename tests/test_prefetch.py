@@ -252,24 +252,27 @@ def _timer(rank, world, depth):
             with timer.phase("step"):
                 opt.step()
     groups = sum(len(u.groups) for u in st.scheduler.units)
-    return dict(timer.waits), dict(timer.seconds), groups, len(st.scheduler.buckets)
+    kept = len(st.scheduler.order[-1].groups)  # the last unit's copy serves backward
+    return dict(timer.waits), dict(timer.seconds), groups, kept, len(st.scheduler.buckets)
 
 
 @pytest.mark.slow
 def test_comm_timer_counts_every_blocking_wait():
-    """Prefetch off: every unit group's gather (forward) and re-gather (Z3 backward) and every
-    module bucket's reduce is waited for where it is issued, each wait counted once, in its
-    phase."""
-    for waits, seconds, groups, buckets in run_ranks(_timer, 2, 0):
+    """Prefetch off: every unit group's gather (forward) and re-gather (Z3 backward: all but the
+    last unit's, whose copy backward keeps) and every module bucket's reduce is waited for where
+    it is issued, each wait counted once, in its phase."""
+    for waits, seconds, groups, kept, buckets in run_ranks(_timer, 2, 0):
         assert waits["forward"] == 2 * groups  # two steps, every unit once
-        assert waits["backward"] == 2 * (groups + buckets)  # re-gathers and reduces
+        assert 0 < kept < groups
+        assert waits["backward"] == 2 * (groups - kept + buckets)  # re-gathers and reduces
         assert all(s >= 0.0 for s in seconds.values()) and seconds["forward"] > 0.0
 
 
 def _peaks(rank, world, depth):
     """The chain under Z3 at prefetch `depth`, once its order is recorded: the peak bytes of
     gathered parameters over a whole step, then in one forward and, separately, its backward
-    (each direction's prefetch seen on its own), and the largest unit's bytes."""
+    (each direction's prefetch seen on its own), the largest unit's bytes, and what the forward
+    leaves the backward: (the last unit's copy kept, the units issued ahead)."""
     model, opt, _ = _chain(world, False, True, depth)
 
     def step(i):
@@ -281,22 +284,27 @@ def _peaks(rank, world, depth):
     _, whole = peak_bytes(lambda: step(1))
     opt.zero_grad()
     loss, forward = peak_bytes(lambda: model(_x(2, rank), ORDERS[0]))
+    sched = model._dmuon_state.scheduler
+    left = (id(sched.order[-1]) in sched.landed, len(sched.backward.ahead))
     _, backward = peak_bytes(loss.backward)
-    unit = max(sum(g.numel * 4 for g in u.groups) for u in model._dmuon_state.scheduler.units)
-    return whole["gathered"], forward["gathered"], backward["gathered"], unit
+    unit = max(sum(g.numel * 4 for g in u.groups) for u in sched.units)
+    return whole["gathered"], forward["gathered"], backward["gathered"], unit, left
 
 
 @pytest.mark.slow
 def test_z3_holds_at_most_depth_plus_one_units():
     """At most the running unit and `depth` prefetched ones are held at once, over a step and
-    in its forward and its backward each, and the prefetch really happens: every peak exceeds
-    `depth` units (ORDERS[0] runs all three blocks, of equal units, so depth 2 holds all three).
-    Without prefetch, in either direction, that direction peaks at one unit."""
+    in its forward and its backward each, and the prefetch really happens: the step's and the
+    forward's peaks exceed `depth` units (ORDERS[0] runs all three blocks, of equal units, so
+    depth 2 holds all three). The backward begins with the last unit's copy, which the forward
+    keeps for it, and the `depth` units before it already issued (so the backward itself
+    allocates at most one unit more). Without prefetch the forward peaks at one unit."""
     for depth in (0, 1, 2):
-        for gathered, forward, backward, unit in run_ranks(_peaks, 2, depth):
+        for gathered, forward, backward, unit, left in run_ranks(_peaks, 2, depth):
             assert depth * unit < gathered <= (depth + 1) * unit, (depth, gathered, unit)
-            for peak in (forward, backward):
-                assert depth * unit < peak <= (depth + 1) * unit, (depth, forward, backward, unit)
+            assert depth * unit < forward <= (depth + 1) * unit, (depth, forward, unit)
+            assert left == (True, depth), left
+            assert backward <= min(1, 2 - depth) * unit, (depth, backward, unit)
 
 
 def _block_graph(rank, world):

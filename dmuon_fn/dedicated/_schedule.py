@@ -146,10 +146,16 @@ class Scheduler:
     def end_forward(self) -> None:
         self.forward.drain()
         self.forward.restart([])  # off the order until the next forward
-        self.open = None
+        last, self.open = self.open, None
         if self.current:
             self.order, self.current = self.current, []
         self._restart_backward()
+        if last and last[0].owed_regathers and self.order and self.order[-1] is last[0]:
+            # Z3 backward begins with the last unit: keep its copy (never gathered twice in a
+            # row) and issue the units before it now, overlapping the loss and what follows
+            self.landed[id(last[0])] = last[1]
+            self.backward.restart(self.order[:-1])
+            self.backward.prefetch()
 
     def value(self, e: Entry, unit: Unit, bucket: Group | None) -> Tensor:
         """`e`'s full value for a module of `unit`; `bucket`: its gradient is owed there."""

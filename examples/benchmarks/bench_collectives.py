@@ -55,6 +55,11 @@ def _rank(rank: int, world: int, reps: int) -> dict[str, float]:
         mine = bufs[rank].repeat(world)
         dist.all_to_all_single(got, mine, sizes, [sizes[rank]] * world)
 
+    def all_to_all_sum():
+        got = torch.empty(world * sizes[rank])
+        dist.all_to_all_single(got, torch.cat(bufs), [sizes[rank]] * world, sizes)
+        got.view(world, -1).sum(0)
+
     fns = {
         "sum: gloo reduce per tensor": lambda: waited(
             [dist.reduce(b, dst=i, async_op=True) for i, b in enumerate(bufs)]
@@ -69,6 +74,7 @@ def _rank(rank: int, world: int, reps: int) -> dict[str, float]:
             ]
         ),
         "sum: one uneven reduce_scatter": lambda: dist.reduce_scatter(out, bufs),
+        "sum: one all_to_all (the owner adds)": all_to_all_sum,
         "copy: gloo broadcast per tensor": lambda: waited(
             [dist.broadcast(b, src=i, async_op=True) for i, b in enumerate(bufs)]
         ),
