@@ -8,10 +8,13 @@ No autograd: the step computes an optimizer update under no_grad."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from ._kernels import resolve_kernel
+from ._kernels import SymMM, resolve_kernel
 from ._registry import OpSpec, register_batched_vmap, register_op
 
 
@@ -21,8 +24,17 @@ def _check(X: Tensor) -> None:
 
 
 def ns_step_math(X: Tensor, a: float, b: float, c: float, impl: str = "auto") -> Tensor:
+    return step_for(X, impl)(X, a, b, c)
+
+
+def step_for(X: Tensor, impl: str = "auto") -> Callable[[Tensor, float, float, float], Tensor]:
+    """(X, a, b, c) -> ns_step_math(X, a, b, c, impl) for iterates shaped like X, checked and
+    its kernel resolved once: an eager loop's steps (dmuon_fn.ns._iteration.standard)."""
     _check(X)
-    sym_mm = resolve_kernel(impl, X.device).sym_mm
+    return functools.partial(_quintic, resolve_kernel(impl, X.device).sym_mm)
+
+
+def _quintic(sym_mm: SymMM, X: Tensor, a: float, b: float, c: float) -> Tensor:
     A = sym_mm(X, X.mT, None, 1.0, 0.0)
     B = sym_mm(A, A, A, c, b)
     if X.dim() == 2:  # addmm: the 2-D GEMM path, faster than a batch of one on a CPU

@@ -21,6 +21,9 @@ from .cpu import cpu_blocked, cpu_strips, full_mm
 ENV_VAR = "DMUON_NS_KERNEL"
 
 
+SymMM = Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
+
+
 @dataclass(frozen=True)
 class Kernel:
     """A symmetric-product kernel: `name` is what `kernel=` and $DMUON_NS_KERNEL accept,
@@ -29,7 +32,7 @@ class Kernel:
     name: str
     device_types: tuple[str, ...]
     description: str
-    sym_mm: Callable[[Tensor, Tensor, Tensor | None, float, float], Tensor]
+    sym_mm: SymMM
     available: Callable[[torch.device], tuple[bool, str]]
 
 

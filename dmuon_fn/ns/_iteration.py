@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from custom_ops.gram_ns_step import gram_ns_step_math
-from custom_ops.ns_step import ns_step_math
+from custom_ops.ns_step import ns_step_math, step_for
 from custom_ops.syrk import syrk_math
 
 Row = tuple[float, float, float]
@@ -128,11 +128,13 @@ def standard(
     gram_of gives the whole matrix's X·Xᵀ and poly_of(A, b, c) b·A + c·A² of it (both or
     neither); each step is then (a·I + b·A + c·A²)·X."""
     ns_step = ops(X)[0]
-    for a, b, c in rows:
-        if gram_of is None:
-            X = ns_step(X, a, b, c, impl=impl)
+    if gram_of is None:
+        if ns_step is ns_step_math:  # the body: checked and its kernel resolved once
+            ns_step = step_for(X, impl)
         else:
-            X = apply_q(poly_of(gram_of(X), b, c), a, X)
+            ns_step = functools.partial(ns_step, impl=impl)
+    for a, b, c in rows:
+        X = ns_step(X, a, b, c) if gram_of is None else apply_q(poly_of(gram_of(X), b, c), a, X)
     return X
 
 
