@@ -1,10 +1,11 @@
 """Newton-Schulz shared by a team (dmuon_fn.orthogonalize_team, proofs/team_ns.md): each member's
 slice of the result equals that slice of one rank's `orthogonalize` of the whole matrix (fp32
 iterates: to fp32 rounding; bf16: as close to the float64 polar factor as one rank's), on teams
-of 2 and 4 gloo ranks, wide and tall, uneven slices, a batch, both forms; the all-reduces are
-the formula's (one per standard step, one per Gram start and restart, m×m fp32 each; one
-all-gather of two scalars per member and matrix, and per standard step one of b·A + c·A²'s row
-blocks, which the members share); compiled with fullgraph, one graph."""
+of 2 and 4 gloo ranks, wide and tall, uneven slices, a batch, both forms; the collectives are
+the formula's (one m×m Gram sum per standard step and per Gram start and restart: an fp32
+all-reduce, or for bf16 iterates an fp32 reduce-scatter and a bf16 all-gather; one all-gather
+of two scalars per member and matrix, and per standard step one of b·A + c·A²'s row blocks,
+which the members share); compiled with fullgraph, one graph."""
 
 from __future__ import annotations
 
@@ -89,29 +90,49 @@ def test_each_member_holds_its_slice_of_the_whole_result_fp32(team, method):
             assert sum(booked.values()) == pytest.approx(nb * per)
 
 
-def _bf16_run(rank, world):
+def _bf16_run(rank, world, method):
     group = dist.group.WORLD
     out = []
     for shape, dim, batch in CASES:
         W = _whole(shape, batch, seed=1)
         bounds = _bounds(shape[dim], world)
-        cfg = dmuon.NSConfig(dtype=torch.bfloat16, method="standard")
-        out.append(
-            dmuon.orthogonalize_team(_slice(W, dim, bounds, rank), group, shape, dim=dim, cfg=cfg)
-        )
+        cfg = dmuon.NSConfig(dtype=torch.bfloat16, method=method)
+        with dmuon.CommCounter() as comm:
+            mine = dmuon.orthogonalize_team(
+                _slice(W, dim, bounds, rank), group, shape, dim=dim, cfg=cfg
+            )
+        stats = comm.stats["other"]
+        out.append((mine, dict(stats.calls), dict(stats.op_bytes)))
     return out
 
 
 @pytest.mark.slow
-def test_bf16_team_is_as_close_to_the_polar_factor_as_one_rank():
-    results = run_ranks(_bf16_run, 4)
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_bf16_team_is_as_close_to_the_polar_factor_as_one_rank(method):
+    """bf16 iterates: the Gram sums go as an fp32 reduce-scatter of row blocks and a bf16
+    all-gather (one per standard step / Gram (re)start; counted against `team_bytes`)."""
+    world = 4
+    results = run_ranks(_bf16_run, world, method)
     for k, (shape, dim, batch) in enumerate(CASES):
         W = _whole(shape, batch, seed=1)
-        joined = torch.cat([r[k] for r in results], dim=dim)
-        one = dmuon.orthogonalize(W, dtype=torch.bfloat16, method="standard")
+        joined = torch.cat([r[k][0] for r in results], dim=dim)
+        one = dmuon.orthogonalize(W, dtype=torch.bfloat16, method=method)
         U, _, Vh = torch.linalg.svd(W.double(), full_matrices=False)
         polar = (U @ Vh).float()
         assert rel_err(joined, polar) < 1.1 * rel_err(one, polar) + 1e-3, shape
+        nb, m = (batch[0] if batch else 1), min(shape)
+        sums = 5 if method == "standard" else 1 + len(default_restarts(5))
+        squares = 5 if method == "standard" else 0
+        blocks = world * -(-m // world) * m * nb
+        share = (world - 1) / world
+        for _, calls, booked in (r[k] for r in results):
+            assert calls == {
+                "reduce_scatter_tensor": sums,
+                "all_gather_into_tensor": 1 + sums + squares,
+            }
+            assert booked["reduce_scatter_tensor"] == pytest.approx(sums * share * 4 * blocks)
+            per = team_bytes(shape, world, method=method, itemsize=2)
+            assert sum(booked.values()) == pytest.approx(nb * per)
 
 
 def _compiled(rank, world, method):

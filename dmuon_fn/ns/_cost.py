@@ -125,12 +125,16 @@ def team_bytes(
     itemsize: int = 2,
 ) -> float:
     """Bytes a member of a team of `k` sends and receives per call, as `CommCounter` books them
-    (ring all-reduce 2·(k-1)/k of its size, all-gather (k-1)/k of its output): the normalizing
-    all-gather of 2 float64, an m×m fp32 all-reduce per standard step or Gram (re)start, and per
-    standard step the all-gather of B's ⌈m/k⌉-row blocks in the iteration dtype (`itemsize`)."""
+    (ring all-reduce 2·(k-1)/k of its size, reduce-scatter (k-1)/k of its input, all-gather
+    (k-1)/k of its output): the normalizing all-gather of 2 float64; per standard step or Gram
+    (re)start the m×m Gram sum (fp32 iterates: an fp32 all-reduce; narrower, `itemsize` < 4: an
+    fp32 reduce-scatter of ⌈m/k⌉-row blocks and their all-gather in the iteration dtype); and
+    per standard step the all-gather of B's ⌈m/k⌉-row blocks in the iteration dtype."""
     m, share = min(shape[-2:]), (k - 1) / k
     rs = default_restarts(steps) if restarts is None else restarts
     standard = team_form(shape, k, method, min_aspect, min_short) == "standard"
     reduces = steps if standard else 1 + len(set(rs))
-    gathered = 16 * k + (steps * k * -(-m // k) * m * itemsize if standard else 0)
-    return share * (reduces * 2 * 4 * m * m + gathered)
+    blocks = k * -(-m // k) * m  # k blocks of ⌈m/k⌉ rows
+    summed = 2 * max(4, itemsize) * m * m if itemsize >= 4 else blocks * (4 + itemsize)
+    gathered = 16 * k + (steps * blocks * itemsize if standard else 0)
+    return share * (reduces * summed + gathered)

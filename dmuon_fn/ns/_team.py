@@ -72,7 +72,9 @@ def orthogonalize_team(
 
     def gram_of(Y: Tensor) -> Tensor:  # Σ_i Y_i·Y_iᵀ, summed in fp32 (fp64 stays fp64)
         part = syrk(Y, impl=impl).to(torch.promote_types(Y.dtype, torch.float32))
-        return funcol.all_reduce(part, "sum", group).to(Y.dtype)
+        if part.dtype == Y.dtype:
+            return funcol.all_reduce(part, "sum", group)
+        return _summed_as(part, Y.dtype, group)
 
     rows = schedule(cfg.coefficients, cfg.steps)
     if method == "gram":
@@ -93,6 +95,19 @@ def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:
     norm = every[:, 1].sum(dim=0).sqrt() / amax  # ‖W / max|W|‖_F
     X = X / amax.to(X.dtype)[..., None, None]  # as orthogonalize: zeros stay exact zeros
     return X.div_((norm + eps).to(X.dtype)[..., None, None])
+
+
+def _summed_as(part: Tensor, dtype: torch.dtype, group: dist.ProcessGroup) -> Tensor:
+    """Σ over the group of the m×m `part` (fp32), rounded to the narrower `dtype`: a
+    reduce-scatter of ⌈m/k⌉-row blocks in fp32, each member's block rounded, an all-gather in
+    `dtype`. The all-reduce's sum rounded once, as `all_reduce(part).to(dtype)` (to the order
+    of the fp32 additions), for (k-1)/k·(4 + itemsize)·m² bytes a member instead of 2·4·m²."""
+    k, m, rows = dist.get_world_size(group), part.shape[-2], part.dim() - 2
+    h = -(-m // k)
+    if k * h != m:  # rows of zeros to k equal blocks
+        part = torch.nn.functional.pad(part, (0, 0, 0, k * h - m))
+    block = funcol.reduce_scatter_single(part, "sum", rows, group).to(dtype)
+    return funcol.all_gather_single(block, rows, group)[..., :m, :]
 
 
 def _shared_poly(A: Tensor, b: float, c: float, group: dist.ProcessGroup) -> Tensor:

@@ -7,6 +7,7 @@ together (`orthogonalize_team`), all in one replica."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import re
@@ -84,11 +85,25 @@ def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int,
         for i, b in enumerate(specs)
         if b == Blocks() and costs[i] > mean and names[i] not in teams
     ]
-    plans = [
-        _teams_for(shapes, costs, big, world_size, u, columns, member)
-        for u in _units(mean, max(costs))
-    ]
-    chosen = min(plans, key=lambda t: t[0])[1] if big else {}
+    rest = []  # the other parameters' costs (batches by their pieces), largest first
+    for i, (sh, b, c) in enumerate(zip(shapes, specs, costs, strict=True)):
+        if i not in big:
+            at = cuts(c, mean, sh[0], columns, per_share) if b and b.batch else [0, 1]
+            rest += [c * (z - a) / (at[-1] - at[0]) for a, z in itertools.pairwise(at)]
+    rest.sort(reverse=True)
+    chosen, best = {}, ()
+    # each unit's teams in order of their lower bound (no slot below the mean or the largest
+    # cost), by LPT while that bound can still beat the best estimate so far
+    plans = [_teams_for(shapes, costs, big, u, columns, member) for u in _units(mean, max(costs))]
+    top, total = (rest[0] if rest else 0.0), math.fsum(rest)
+    bounds = [max(top, *items[:1], (total + math.fsum(items)) / world_size) for items, _ in plans]
+    ranked = sorted(zip(bounds, plans, strict=True), key=lambda p: p[0]) if big else []
+    for bound, (items, teams_at) in ranked:
+        if best and bound > best[0]:
+            break
+        loads = _lpt(items, rest, world_size)
+        if not best or loads < best:
+            chosen, best = teams_at, loads
     chosen |= {i: cut for i, cut in asked.items() if len(cut[1]) > 2}
     rows, sliced, member_of = [], {}, {}
     for i, (n, sh, m, b, c) in enumerate(zip(names, shapes, matrix, specs, costs, strict=True)):
@@ -142,29 +157,38 @@ def _units(mean: float, top: float) -> list[float]:
     return out
 
 
-def _teams_for(shapes, costs, big, world_size, unit, columns, member):
-    """(estimated busiest load, {index: (dim, boundaries)}) with the matrices `big` on teams
-    whose members cost at most `unit` where they can: the busiest slot carries at least the new
-    mean and the largest unit, and LPT tops that by about a quarter unit (an estimate, compared
-    across `unit`s; proofs/partition.md §10)."""
-    out, total, largest = {}, math.fsum(costs), 0.0
-    seen: dict[tuple[int, ...], tuple[int, list[int], float, float]] = {}
+def _teams_for(shapes, costs, big, unit, columns, member):
+    """(the costs of the matrices `big`, largest first, {index: (dim, boundaries)}) with those
+    matrices on teams whose members cost at most `unit` where they can (a member's cost is
+    `member(shape, share, k)`; proofs/partition.md §10)."""
+    out, items = {}, []
+    seen: dict[tuple[int, ...], tuple[int, list[int], list[float]]] = {}
     for i in big:
         sh = shapes[i]
         if sh not in seen:
             dim, at = team_cuts(sh, unit, columns, lambda a, k, sh=sh: member(sh, a, k))
             k = len(at) - 1
-            spans = itertools.pairwise(at)
-            added = math.fsum(member(sh, b - a, k) for a, b in spans) - costs[i]
-            seen[sh] = (dim, at, added, member(sh, -(-sh[dim] // k), k))
-        dim, at, added, most = seen[sh]
+            seen[sh] = (dim, at, [member(sh, b - a, k) for a, b in itertools.pairwise(at)])
+        dim, at, members = seen[sh]
         if len(at) == 2:
-            largest = max(largest, costs[i])
+            items.append(costs[i])
             continue
         out[i] = (dim, at)
-        total += added
-        largest = max(largest, most)
-    return max(largest, total / world_size) + largest / 4, out
+        items += members
+    return sorted(items, reverse=True), out
+
+
+def _lpt(items: list[float], rest: list[float], world_size: int) -> tuple[float, ...]:
+    """The heaviest `_COMPARED` slot loads, heaviest first, of a plain LPT of `items` and `rest`
+    (both largest first): compared as tuples, the busiest slot decides and, where one parameter
+    alone sets it (an embedding's bytes), the next."""
+    slots = [0.0] * world_size  # a min-heap of slot loads
+    for c in heapq.merge(items, rest, reverse=True):
+        heapq.heapreplace(slots, slots[0] + c)
+    return tuple(heapq.nlargest(_COMPARED, slots))
+
+
+_COMPARED = 4  # the heaviest slots `_lpt` reports
 
 
 def spread_columns(
