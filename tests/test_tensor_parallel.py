@@ -104,9 +104,18 @@ def _train(rank, world, shape, z3, pure, gather_in_step=False):
         norm0=norm0,
         # dmuon_fn's gathers (FSDP2 all-gathers; the publish runs in the step)
         gathered={ph: comm.stats[ph].op_bytes["broadcast_"] for ph in ("forward", "backward")},
+        # each recorded unit's gather, as CommCounter books broadcasts over the shard group
+        unit_bytes=[_gather_bytes(st, u) for u in st.scheduler.order],
         # the layouts the run covered: (split dim or None, computed with as a DTensor)
         layouts={(e.tp.dim, e.tp.placements is not None) for e in st.entries},
     )
+
+
+def _gather_bytes(st, unit) -> float:
+    """The bytes CommCounter books for one gather of `unit` (broadcasts over the shard group)."""
+    w = st.shard_size
+    held = sum(g.numel * torch.empty((), dtype=g.dtype).element_size() for g in unit.groups)
+    return (w - 1) / w * held if w > 1 else 0.0
 
 
 def _first_norm():
@@ -147,10 +156,15 @@ def _check(shape, results, z3, pure, gather_in_step=False):
     norm0 = _first_norm().item()
     for r in results:  # every value counted once: split parts, whole copies on one tensor rank
         assert r["norm0"] == pytest.approx(norm0, rel=1e-5), (r["norm0"], norm0)
-    for r in results:  # Z3 gathers every part again in backward (TP parts too), Z2 never
-        want = r["gathered"]["forward"] if z3 else 0
+    for r in results:  # every unit gathered once per forward (TP parts too); Z3 again for
+        # backward but the last unit, whose copy the backward keeps (the units before it are
+        # issued as the forward ends, so some of the backward's gathers count in "forward")
+        once = STEPS * sum(r["unit_bytes"])
+        again = once - STEPS * r["unit_bytes"][-1] if z3 else 0
+        got = r["gathered"]
         if not gather_in_step:  # (else the step issues some of the forward's gathers)
-            assert r["gathered"]["backward"] == want, r["gathered"]
+            assert got["forward"] + got["backward"] == pytest.approx(once + again), got
+            assert once <= got["forward"] <= once + again and (z3 or got["backward"] == 0), got
     r0 = results[0]
     # row- and column-wise shards, plain whole copies; with pure also the Replicate() bias
     covered = {(0, True), (1, True), (None, False)} | ({(None, True)} if pure else set())

@@ -47,7 +47,8 @@ def dedicate_params(
     mesh: the 1-D shard mesh (HSDP: `hsdp["shard"]`, with `replicate_mesh=hsdp["replicate"]`;
         tensor parallelism: `parallelize_module` over the 'tp' dim first, then the data dim of
         the same mesh, ('dp', 'tp') or ('replicate', 'shard', 'tp'); proofs/tensor_parallel.md).
-    reshard_after_forward: True, Z3 (gathered again in backward); False, Z2 (the copies kept).
+    reshard_after_forward: True, Z3 (gathered again in backward, but the last layer, which the
+        backward starts with); False, Z2 (the copies kept).
     pure: dedicate every parameter (predicate ignored): Muon on matrices and AdamW on the rest
         by their owners; no FSDP2 needed.
     param_dtype: the gather and compute dtype (default: the parameter's); the global owner keeps
