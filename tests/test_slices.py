@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_fn as dmuon
 from dmuon_fn import NSConfig
 from dmuon_fn.planning._partition import partition
-from dmuon_fn.planning._slices import cuts, parse_piece, piece_name
+from dmuon_fn.planning._slices import _lpt, cuts, parse_piece, piece_name
 from tests._dist import run_ranks
 from tests._models import blocks_reference, full_params, resumed
 
@@ -126,6 +126,25 @@ def test_cuts_are_near_equal_and_at_most_one_per_column(cost, mean, length, colu
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
     if k > 1:  # cut only what costs more than a fair share, into pieces of about half a share
         assert 0 < mean < cost and k - 1 < 2 * cost / mean  # k <= ⌈2·cost / mean⌉
+
+
+COSTS = st.lists(st.floats(0.0, 1e6), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(COSTS, COSTS, st.integers(1, 9))
+def test_team_caps_are_pruned_only_below_what_lpt_reaches(items, rest, world):
+    """The planner skips a cap whose lower bound (the largest cost, the mean load) exceeds the
+    best LPT so far; sound because LPT's busiest slot never lies below that bound, and LPT's
+    loads add up to the costs (each placed once)."""
+    items, rest = sorted(items, reverse=True), sorted(rest, reverse=True)
+    loads = _lpt(items, rest, world)
+    assert list(loads) == sorted(loads, reverse=True) and len(loads) == min(4, world)
+    every = items + rest
+    bound = max(max(every, default=0.0), sum(every) / world)
+    assert loads[0] >= bound * (1 - 1e-12)
+    if world <= 4:
+        assert sum(loads) == pytest.approx(sum(every), rel=1e-9, abs=1e-6)
 
 
 def test_piece_names_round_trip_and_reject_other_names():
