@@ -135,6 +135,6 @@ def team_bytes(
     standard = team_form(shape, k, method, min_aspect, min_short) == "standard"
     reduces = steps if standard else 1 + len(set(rs))
     blocks = k * -(-m // k) * m  # k blocks of ⌈m/k⌉ rows
-    summed = 2 * max(4, itemsize) * m * m if itemsize >= 4 else blocks * (4 + itemsize)
+    summed = 2 * itemsize * m * m if itemsize >= 4 else blocks * (4 + itemsize)
     gathered = 16 * k + (steps * blocks * itemsize if standard else 0)
     return share * (reduces * summed + gathered)

@@ -128,13 +128,14 @@ def standard(
     gram_of gives the whole matrix's X·Xᵀ and poly_of(A, b, c) b·A + c·A² of it (both or
     neither); each step is then (a·I + b·A + c·A²)·X."""
     ns_step = ops(X)[0]
-    if gram_of is None:
-        if ns_step is ns_step_math:  # the body: checked and its kernel resolved once
-            ns_step = step_for(X, impl)
-        else:
-            ns_step = functools.partial(ns_step, impl=impl)
+    if gram_of is not None:
+        step = lambda X, a, b, c: apply_q(poly_of(gram_of(X), b, c), a, X)  # noqa: E731
+    elif ns_step is ns_step_math:  # the body: X checked and its kernel resolved once
+        step = step_for(X, impl)
+    else:
+        step = functools.partial(ns_step, impl=impl)
     for a, b, c in rows:
-        X = ns_step(X, a, b, c) if gram_of is None else apply_q(poly_of(gram_of(X), b, c), a, X)
+        X = step(X, a, b, c)
     return X
 
 

@@ -85,11 +85,17 @@ def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int,
         for i, b in enumerate(specs)
         if b == Blocks() and costs[i] > mean and names[i] not in teams
     ]
+    batches = {  # a batch's cut into pieces (boundaries along its dim 0)
+        i: cuts(c, mean, sh[0], columns, per_share)
+        for i, (sh, b, c) in enumerate(zip(shapes, specs, costs, strict=True))
+        if b and b.batch
+    }
+    on_teams = set(big)
     rest = []  # the other parameters' costs (batches by their pieces), largest first
-    for i, (sh, b, c) in enumerate(zip(shapes, specs, costs, strict=True)):
-        if i not in big:
-            at = cuts(c, mean, sh[0], columns, per_share) if b and b.batch else [0, 1]
-            rest += [c * (z - a) / (at[-1] - at[0]) for a, z in itertools.pairwise(at)]
+    for i, c in enumerate(costs):
+        if i not in on_teams:
+            at = batches.get(i, [0, 1])
+            rest += [c * (z - a) / at[-1] for a, z in itertools.pairwise(at)]
     rest.sort(reverse=True)
     chosen, best = {}, ()
     # each unit's teams in order of their lower bound (no slot below the mean or the largest
@@ -106,10 +112,8 @@ def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int,
             chosen, best = teams_at, loads
     chosen |= {i: cut for i, cut in asked.items() if len(cut[1]) > 2}
     rows, sliced, member_of = [], {}, {}
-    for i, (n, sh, m, b, c) in enumerate(zip(names, shapes, matrix, specs, costs, strict=True)):
-        dim, at = chosen.get(i, (0, [0, 1]))
-        if b and b.batch:
-            at = cuts(c, mean, sh[0], columns, per_share)
+    for i, (n, sh, m, b) in enumerate(zip(names, shapes, matrix, specs, strict=True)):
+        dim, at = chosen.get(i, (0, batches.get(i, [0, 1])))
         if len(at) == 2:
             rows.append((n, sh, m, b))
             continue
