@@ -22,7 +22,15 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_fn as dmuon
 from dmuon_fn import NSConfig
 from dmuon_fn.planning._partition import partition
-from dmuon_fn.planning._slices import _lpt, cuts, parse_piece, piece_name
+from dmuon_fn.planning._slices import (
+    _lpt,
+    _pair_bound,
+    _TeamSizes,
+    best_sizing,
+    cuts,
+    parse_piece,
+    piece_name,
+)
 from tests._dist import run_ranks
 from tests._models import blocks_reference, full_params, resumed
 
@@ -134,17 +142,51 @@ COSTS = st.lists(st.floats(0.0, 1e6), max_size=40)
 @settings(max_examples=200, deadline=None)
 @given(COSTS, COSTS, st.integers(1, 9))
 def test_team_caps_are_pruned_only_below_what_lpt_reaches(items, rest, world):
-    """The planner skips a cap whose lower bound (the largest cost, the mean load) exceeds the
-    best LPT so far; sound because LPT's busiest slot never lies below that bound, and LPT's
-    loads add up to the costs (each placed once)."""
+    """The planner skips a sizing whose lower bounds (the largest cost, the mean load; two of
+    the world + 1 largest costs on one slot) exceed the best LPT so far; sound because LPT's
+    busiest slot never lies below them, and LPT's loads add up to the costs (each placed once)."""
     items, rest = sorted(items, reverse=True), sorted(rest, reverse=True)
     loads = _lpt(items, rest, world)
     assert list(loads) == sorted(loads, reverse=True) and len(loads) == min(4, world)
     every = items + rest
     bound = max(max(every, default=0.0), sum(every) / world)
     assert loads[0] >= bound * (1 - 1e-12)
+    assert loads[0] >= _pair_bound(items, rest, world) * (1 - 1e-12)
     if world <= 4:
         assert sum(loads) == pytest.approx(sum(every), rel=1e-9, abs=1e-6)
+
+
+SHAPE = st.tuples(st.integers(1, 40), st.integers(1, 40))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(SHAPE, st.integers(1, 3)), min_size=1, max_size=3),
+    COSTS,
+    st.integers(2, 12),
+    st.floats(0.0, 50.0),
+)
+def test_the_team_sizing_is_the_best_of_every_cap(big, rest, columns, comm):
+    """Every sizing a member cost cap gives is weighed: `best_sizing` returns the lightest
+    LPT (4 heaviest slots as a tuple) over all of them, each sizing's bound lies below its
+    LPT, and every team fits its matrix and the shard columns."""
+
+    def member(sh, share, k):  # compute shrinking with the share, collectives growing with k
+        return min(sh) * share + comm * min(sh) ** 2 * (k - 1) / k
+
+    shapes = [sh for sh, n in big for _ in range(n)]
+    sizes = _TeamSizes([(sh, member(sh, max(sh), 1) + 1.0) for sh in shapes], columns, member)
+    rest = sorted(rest, reverse=True)
+    ranked = sizes.ranked(rest, columns)
+    every = {tuple(sorted(ks.items())): _lpt(sizes.items(ks), rest, columns) for _, ks in ranked}
+    assert len(every) == len(ranked)  # distinct sizings
+    for bound, ks in ranked:
+        assert _lpt(sizes.items(ks), rest, columns)[0] >= bound * (1 - 1e-12)
+        for sh, k in ks.items():  # 1: the matrix stays whole
+            assert 1 <= k <= max(1, min(max(sh), columns))
+    ks, loads = best_sizing(sizes, rest, columns)
+    assert loads == min(every.values())
+    assert every[tuple(sorted(ks.items()))] == loads
 
 
 def test_piece_names_round_trip_and_reject_other_names():

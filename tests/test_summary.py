@@ -154,7 +154,7 @@ def test_summary_matches_the_plan(model, shards, reps, aspect):
     assert s.busiest_ns_flops >= s.bound_ns_flops >= s.largest_ns_flops
     assert s.bound_ns_flops >= s.mean_ns_flops
     assert s.imbalance >= 1.0 - 1e-12 and s.vs_bound >= 1.0 - 1e-12
-    assert s.busiest_seconds is None and s.bound_seconds is None
+    assert s.busiest_seconds is None and s.bound_seconds is None and s.imbalance_seconds is None
 
 
 def test_hand_computed_counts():
@@ -202,6 +202,8 @@ def test_seconds_are_flops_over_the_rate(rate, world):
     assert s.busiest_seconds == s.busiest_ns_flops / rate
     assert s.bound_seconds == s.bound_ns_flops / rate
     assert s.busiest_seconds >= s.bound_seconds
+    ratio = s.busiest_seconds / s.mean_seconds if s.mean_seconds else 1.0
+    assert s.imbalance_seconds == ratio >= 1.0 - 1e-12
 
 
 # ---------------------------------------------------------------- data and table

@@ -20,7 +20,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, GRAM_MIN_SHORT, ns_flops, ns_method, team_bytes, team_flops
 from ._layers import layer_keys
-from ._slices import check_teams, parse_piece, slice_rows, spread_columns
+from ._slices import check_teams, heaviest, parse_piece, slice_rows, spread_columns
 from ._tensor import LOCAL, keeps_matrices
 
 # FLOP-equivalents charged per byte of a parameter (proofs/partition.md §7)
@@ -360,7 +360,7 @@ def partition(
         return plan
     unsliced = partition(named_shapes, world_size, **options, slices=False)
     finer = partition(named_shapes, world_size, **options, _per_share=4)
-    return min((plan, finer, unsliced), key=lambda p: max(p.slot_loads))  # ties: the first
+    return min((plan, finer, unsliced), key=lambda p: heaviest(p.slot_loads))  # ties: the first
 
 
 _OPTIONS = (  # partition's keywords but `slices` and `teams`

@@ -7,10 +7,12 @@ together (`orthogonalize_team`), all in one replica."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -52,28 +54,18 @@ def cuts(cost: float, mean: float, length: int, columns: int, per_share: int = 2
     return [j * q + min(j, r) for j in range(k + 1)]
 
 
-def team_cuts(
-    shape: Sequence[int], unit: float, columns: int, member_cost: Callable[[int, int], float]
-) -> tuple[int, list[int]]:
-    """(dim, boundaries) of a team for one matrix of `shape` (2-D): its long dim (rows on ties)
-    cut into k near-equal slices, k >= 2 the least team whose members each cost at most `unit`
-    (`member_cost(share, k)`: the largest slice's), else the most, min(columns, long side);
-    (0, [0, rows]) when no team of 2 fits (a single column, or a side of 1)."""
+def team_cuts(shape: Sequence[int], k: int) -> tuple[int, list[int]]:
+    """(dim, boundaries) of a team of `k` over one matrix of `shape` (2-D): its long dim (rows on
+    ties) cut into k near-equal slices."""
     dim = 0 if shape[0] >= shape[1] else 1
-    long = shape[dim]
-    most = min(long, columns)
-    if most < 2:
-        return 0, [0, shape[0]]
-    fits = (j for j in range(2, most) if member_cost(-(-long // j), j) <= unit)
-    k = next(fits, most)
-    q, r = divmod(long, k)
+    q, r = divmod(shape[dim], k)
     return dim, [j * q + min(j, r) for j in range(k + 1)]
 
 
 def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int, member):
     """(rows, sliced, member_of) of a plan's parameters (`columns_of`: names, shapes, matrix,
     specs, one-owner costs): batches past a fair share cut into pieces of about 1/`per_share`
-    of a share (`cuts`), matrices past it on teams (`team_cuts`, sizes by `_teams_for`, a
+    of a share (`cuts`), matrices past it on teams (`team_cuts`, sizes by `best_sizing`, a
     member costing `member(shape, share, k)`), `teams` ({name: k}) as asked. rows: (plan name,
     shape, is matrix, spec) per piece or whole parameter, by name; sliced: {parameter: its
     pieces in order}; member_of: {a team's piece: (its matrix's shape, k)}."""
@@ -97,19 +89,11 @@ def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int,
             at = batches.get(i, [0, 1])
             rest += [c * (z - a) / at[-1] for a, z in itertools.pairwise(at)]
     rest.sort(reverse=True)
-    chosen, best = {}, ()
-    # each unit's teams in order of their lower bound (no slot below the mean or the largest
-    # cost), by LPT while that bound can still beat the best estimate so far
-    plans = [_teams_for(shapes, costs, big, u, columns, member) for u in _units(mean, max(costs))]
-    top, total = (rest[0] if rest else 0.0), math.fsum(rest)
-    bounds = [max(top, *items[:1], (total + math.fsum(items)) / world_size) for items, _ in plans]
-    ranked = sorted(zip(bounds, plans, strict=True), key=lambda p: p[0]) if big else []
-    for bound, (items, teams_at) in ranked:
-        if best and bound > best[0]:
-            break
-        loads = _lpt(items, rest, world_size)
-        if not best or loads < best:
-            chosen, best = teams_at, loads
+    chosen = {}
+    if big:
+        sizes = _TeamSizes([(shapes[i], costs[i]) for i in big], columns, member)
+        ks, _ = best_sizing(sizes, rest, world_size)
+        chosen = {i: team_cuts(shapes[i], ks[tuple(shapes[i])]) for i in big}
     chosen |= {i: cut for i, cut in asked.items() if len(cut[1]) > 2}
     rows, sliced, member_of = [], {}, {}
     for i, (n, sh, m, b) in enumerate(zip(names, shapes, matrix, specs, strict=True)):
@@ -148,38 +132,98 @@ def _asked(teams, names, shapes, specs, columns) -> dict[int, tuple[int, list[in
                 "matrix Muon updates (2-D, no blocks spec), at most its long side; 1: one owner"
             )
         one = (0, [0, shapes[i][0]])
-        out[i] = one if k == 1 else team_cuts(shapes[i], 0.5, k + 1, lambda a, j, k=k: j != k)
+        out[i] = one if k == 1 else team_cuts(shapes[i], k)
     return out
 
 
-def _units(mean: float, top: float) -> list[float]:
-    """The member costs a plan's teams are tried at: from `top` (the largest matrix's) down to
-    1/16 of a slot's fair share, by factors of √2."""
-    out = [mean / 16]
-    while out[-1] < top:
-        out.append(out[-1] * math.sqrt(2))
-    return out
+class _TeamSizes:
+    """The team sizings of the costly matrices `big` ((shape, one-owner cost) each, 2-D) that
+    `partition` weighs: for a member cost cap, each matrix on the least team (1: its one owner)
+    whose members cost at most it (a member's cost `member(shape, share, k)`, the largest
+    slice's; past every team's cost, the cheapest team). Only the caps where some matrix's team
+    changes give new sizings, so every one is weighed."""
+
+    def __init__(self, big, columns: int, member: Callable[..., float]) -> None:
+        self.count = Counter(tuple(sh) for sh, _ in big)
+        self.one = {tuple(sh): c for sh, c in big}
+        self.member = member
+        self.steps: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+        for sh in self.count:  # the sizes where a cheaper member appears, and its cost
+            ks, caps = [1], [-self.one[sh]]  # ascending: bisect finds the least k that fits
+            for k in range(2, min(max(sh), columns) + 1):
+                c = member(sh, -(-max(sh) // k), k)
+                if c < -caps[-1]:
+                    ks.append(k)
+                    caps.append(-c)
+            self.steps[sh] = (ks, caps)
+
+    def _sizing(self, cap: float) -> dict[tuple[int, ...], int]:
+        return {
+            sh: ks[min(bisect.bisect_left(caps, -cap), len(ks) - 1)]
+            for sh, (ks, caps) in self.steps.items()
+        }
+
+    def _members(self, sh: tuple[int, ...], k: int) -> list[tuple[float, int]]:
+        """(member cost, how many) of one matrix of `sh` on a team of k (1: its one owner)."""
+        if k == 1:
+            return [(self.one[sh], 1)]
+        q, r = divmod(max(sh), k)
+        return [(self.member(sh, q + 1, k), r), (self.member(sh, q, k), k - r)]
+
+    def ranked(self, rest: list[float], world_size: int):
+        """(lower bound, sizing) of every distinct sizing, lowest bound first: no slot of its LPT
+        lies below the largest cost or the mean load."""
+        caps = sorted({-c for _, cs in self.steps.values() for c in cs}, reverse=True)
+        top, total = (rest[0] if rest else 0.0), math.fsum(rest)
+        out, seen = [], set()
+        for cap in caps:
+            ks = self._sizing(cap)
+            key = tuple(sorted(ks.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            parts = [
+                (c, n * self.count[sh]) for sh, k in ks.items() for c, n in self._members(sh, k)
+            ]
+            load = math.fsum(c * n for c, n in parts)
+            largest = max((c for c, n in parts if n), default=0.0)
+            out.append((max(top, largest, (total + load) / world_size), ks))
+        return sorted(out, key=lambda p: p[0])
+
+    def items(self, ks: dict[tuple[int, ...], int]) -> list[float]:
+        """Every member's cost under sizing `ks`, largest first."""
+        out = []
+        for sh, k in ks.items():
+            for c, n in self._members(sh, k):
+                out += [c] * (n * self.count[sh])
+        return sorted(out, reverse=True)
 
 
-def _teams_for(shapes, costs, big, unit, columns, member):
-    """(the costs of the matrices `big`, largest first, {index: (dim, boundaries)}) with those
-    matrices on teams whose members cost at most `unit` where they can (a member's cost is
-    `member(shape, share, k)`; proofs/partition.md §10)."""
-    out, items = {}, []
-    seen: dict[tuple[int, ...], tuple[int, list[int], list[float]]] = {}
-    for i in big:
-        sh = shapes[i]
-        if sh not in seen:
-            dim, at = team_cuts(sh, unit, columns, lambda a, k, sh=sh: member(sh, a, k))
-            k = len(at) - 1
-            seen[sh] = (dim, at, [member(sh, b - a, k) for a, b in itertools.pairwise(at)])
-        dim, at, members = seen[sh]
-        if len(at) == 2:
-            items.append(costs[i])
+def best_sizing(sizes: _TeamSizes, rest: list[float], world_size: int):
+    """(sizing, loads) of the sizing of `sizes` whose plain LPT with `rest` (largest first) has
+    the lightest heaviest slots (`_lpt`; ties: the lowest bound first). Sizings go in order of
+    their lower bound, scheduled while it and the pairing bound can still beat the best so
+    far (proofs/partition.md §10)."""
+    chosen, best = None, ()
+    for bound, ks in sizes.ranked(rest, world_size):
+        if best and bound > best[0]:
+            break
+        items = sizes.items(ks)
+        if best and _pair_bound(items, rest, world_size) > best[0]:
             continue
-        out[i] = (dim, at)
-        items += members
-    return sorted(items, reverse=True), out
+        loads = _lpt(items, rest, world_size)
+        if not best or loads < best:
+            chosen, best = ks, loads
+    return chosen, best
+
+
+def _pair_bound(items: list[float], rest: list[float], world_size: int) -> float:
+    """A lower bound on the busiest slot of any placement of `items` and `rest` (both largest
+    first) on `world_size` slots: of the world_size + 1 largest, two share a slot."""
+    if len(items) + len(rest) <= world_size:
+        return 0.0
+    top = list(itertools.islice(heapq.merge(items, rest, reverse=True), world_size + 1))
+    return top[-2] + top[-1]
 
 
 def _lpt(items: list[float], rest: list[float], world_size: int) -> tuple[float, ...]:
@@ -189,10 +233,16 @@ def _lpt(items: list[float], rest: list[float], world_size: int) -> tuple[float,
     slots = [0.0] * world_size  # a min-heap of slot loads
     for c in heapq.merge(items, rest, reverse=True):
         heapq.heapreplace(slots, slots[0] + c)
-    return tuple(heapq.nlargest(_COMPARED, slots))
+    return heaviest(slots)
 
 
-_COMPARED = 4  # the heaviest slots `_lpt` reports
+_COMPARED = 4  # the heaviest slots plans compare
+
+
+def heaviest(loads) -> tuple[float, ...]:
+    """The `_COMPARED` heaviest of `loads`, heaviest first: plans compare as these tuples (the
+    busiest slot decides; where one parameter alone sets it, the next slots)."""
+    return tuple(heapq.nlargest(_COMPARED, loads))
 
 
 def spread_columns(

@@ -111,6 +111,15 @@ class PlanSummary:
         return math.fsum(self.seconds(r) for r in self.slots) / len(self.slots)
 
     @property
+    def imbalance_seconds(self) -> float | None:
+        """busiest / mean in seconds (`gemm_flops` needed; team collectives at `bandwidth`
+        counted): what the busiest rank adds to a step over an even share."""
+        busiest, mean = self.busiest_seconds, self.mean_seconds
+        if busiest is None:
+            return None
+        return busiest / mean if mean else 1.0
+
+    @property
     def bound_seconds(self) -> float | None:
         return None if self.gemm_flops is None else self.bound_ns_flops / self.gemm_flops
 
@@ -138,6 +147,7 @@ class PlanSummary:
             "gemm_flops": self.gemm_flops,
             "busiest_seconds": self.busiest_seconds,
             "mean_seconds": self.mean_seconds,
+            "imbalance_seconds": self.imbalance_seconds,
             "bandwidth": self.bandwidth,
             "teams": self.teams,
             "bound_seconds": self.bound_seconds,
@@ -339,7 +349,8 @@ def _render(s: PlanSummary) -> list[str]:
             lines += [
                 f"at {s.gemm_flops:.3g} FLOP/s per GEMM{bw}:",
                 f"  the busiest rank's Newton-Schulz takes {_seconds(s.busiest_seconds)} per step"
-                f" (mean {_seconds(s.mean_seconds)}, bound {_seconds(s.bound_seconds)})",
+                f" (mean {_seconds(s.mean_seconds)}, {s.imbalance_seconds:.2f}x; bound "
+                f"{_seconds(s.bound_seconds)})",
             ]
     else:
         lines.append("Newton-Schulz per step: none (no matrix in the plan)")

@@ -12,9 +12,9 @@ as markdown, twice:
 Columns: the teams (matrices, members; proofs/partition.md §10), total NS TFLOP per step in
 the job (the teams' redundant work included), the busiest rank's, imbalance = busiest / mean,
 the busiest and the mean rank's NS time per step at H100_FLOPS (an assumption, below) with
-their team collectives at BANDWIDTH, the same model planned with one owner per matrix (no teams,
-no slices), and the busiest rank's NS time at this machine's GEMM rate, measured by
-`dmuon_fn.measure_gemm_flops()` in the NS iteration dtype its dispatch picks.
+their team collectives at BANDWIDTH and their ratio, the same model planned with one owner per
+matrix (no teams, no slices), and the busiest rank's NS time at this machine's GEMM rate,
+measured by `dmuon_fn.measure_gemm_flops()` in the NS iteration dtype its dispatch picks.
 
     PYTHONPATH=. python examples/benchmarks/bench_summary.py [--shapes DIR] [--out FILE]
 """
@@ -74,9 +74,9 @@ def rows(path: Path, world: int, all_matrices: bool, local_flops: float) -> dict
 def table(results: list[dict]) -> str:
     out = [
         "| model | ranks | matrices | teams: matrices (members) | NS TFLOP/step, all | busiest "
-        "TFLOP | busiest/mean | busiest ms @ H100 | mean ms | one owner each: busiest/mean "
-        "| busiest ms | busiest s here |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "TFLOP | busiest/mean | busiest ms @ H100 | mean ms | busiest/mean, s | one owner each: "
+        "busiest/mean | busiest ms | busiest s here |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in results:
         s, one = r["summary"], r["one"]
@@ -85,7 +85,8 @@ def table(results: list[dict]) -> str:
             f"| {r['model']} | {r['world']:,} | {r['matrices']} | {teams} "
             f"| {s.total_ns_flops / 1e12:.2f} | {s.busiest_ns_flops / 1e12:.3f} "
             f"| {s.imbalance:.2f} | {1e3 * s.busiest_seconds:.3g} | {1e3 * s.mean_seconds:.3g} "
-            f"| {one.imbalance:.2f} | {1e3 * one.busiest_seconds:.3g} | {r['local_s']:.3g} |"
+            f"| {s.imbalance_seconds:.2f} | {one.imbalance:.2f} "
+            f"| {1e3 * one.busiest_seconds:.3g} | {r['local_s']:.3g} |"
         )
     return "\n".join(out)
 
@@ -123,8 +124,10 @@ def main() -> None:
         "(proofs/partition.md §10); a team member's seconds add its collectives at "
         f"{BANDWIDTH:.3g} B/s (the cost model's default bytes-to-FLOPs rate at the H100 rate: "
         "about an all-reduce's bus bandwidth within an NVLink node, not across nodes). "
-        "busiest/mean: NS FLOPs (the redundant work of teams counted); 'one owner each': the "
-        "same model planned without teams or slices.",
+        "busiest/mean: NS FLOPs (the redundant work of teams counted); busiest/mean, s: the "
+        "same in seconds, team collectives included (what the busiest rank adds to a step "
+        "over an even share); 'one owner each': the same model planned without teams or "
+        "slices.",
     ]
     for all_matrices, title in (
         (False, "Block matrices as Muon; embeddings, head and non-matrices elementwise"),

@@ -9,7 +9,9 @@ it takes with a core of its own) of its Newton-Schulz (inside the step's `orthog
 and `orthogonalize_team` calls) and of its whole step (guard, updates, Newton-Schulz); the
 busiest and the mean rank's; and the wall seconds of a whole training step (forward, backward,
 step): on a machine with fewer cores than ranks the members share cores, so wall time
-understates a team.
+understates a team. Last, the head's whole Newton-Schulz run on every rank at once: whether
+sharing the cores inflates the same work's CPU seconds (the team's members always run at once,
+the one owner while the others idle).
 
 Run: python examples/benchmarks/bench_team_step.py [--world 4] [--steps 5] [--dtype float32]
 """
@@ -17,6 +19,7 @@ Run: python examples/benchmarks/bench_team_step.py [--world 4] [--steps 5] [--dt
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -90,12 +93,29 @@ def _run(rank: int, world: int, k: int, steps: int, dtype: str | None) -> dict:
             "wall": statistics.median(wall[1:]), "team": plan.team("head.weight")}  # fmt: skip
 
 
-def _rank(rank: int, world: int, steps: int, dtype: str | None) -> list[dict]:
+def _at_once(rank: int, world: int, steps: int, dtype: str | None) -> list[float]:
+    """Every rank's CPU seconds (median) of the head's whole Newton-Schulz, all ranks at once:
+    what sharing the cores costs the same work (the one owner runs it while the others idle)."""
+    G = torch.randn(HEAD, D, generator=torch.Generator().manual_seed(rank))
+    cfg = {"dtype": getattr(torch, dtype)} if dtype else {}
+    cpu = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        c0 = time.thread_time()
+        dmuon.orthogonalize(G, **cfg)
+        cpu.append(time.thread_time() - c0)
+    every = [None] * world
+    dist.all_gather_object(every, statistics.median(cpu[1:]))
+    return every
+
+
+def _rank(rank: int, world: int, steps: int, dtype: str | None) -> tuple[list[dict], list]:
     torch.set_num_threads(1)
     # Newton-Schulz as the step calls it (module globals, looked up at call time)
     _update.orthogonalize_with = _timed(_update.orthogonalize_with)
     _update.orthogonalize_team = _timed(_update.orthogonalize_team)
-    return [_run(rank, world, k, steps, dtype) for k in (1, world)]
+    runs = [_run(rank, world, k, steps, dtype) for k in (1, world)]
+    return runs, _at_once(rank, world, steps, dtype)
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -104,7 +124,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the dispatch's")
     args = ap.parse_args(argv)
-    one, team = run_ranks(_rank, args.world, args.steps, args.dtype)
+    (one, team), at_once = run_ranks(_rank, args.world, args.steps, args.dtype)
     lines = [
         f"# a 4096x1024 head over two small blocks, W={args.world} CPU ranks (gloo, 1 thread "
         f"each), {machine()}",
@@ -126,6 +146,11 @@ def main(argv: list[str] | None = None) -> str:
         f"{max(one['ns']) / max(team['ns']):.2f}x less; its step CPU: "
         f"{max(one['cpu']) / max(team['cpu']):.2f}x less; wall per training step: "
         f"{one['wall'] / team['wall']:.2f}x",
+        "",
+        f"the head's whole Newton-Schulz on every rank at once (no step, no collectives): "
+        f"{statistics.fmean(at_once):.3f} s CPU per rank (the mean; the one owner's, alone: "
+        f"{max(one['ns']):.3f} s): sharing {os.cpu_count()} cores among {args.world} ranks "
+        f"costs the same work {statistics.fmean(at_once) / max(one['ns']):.2f}x",
     ]
     text = "\n".join(lines)
     print(text, flush=True)
