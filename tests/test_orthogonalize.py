@@ -359,17 +359,20 @@ def test_tall_normalize_is_bitwise_the_transposed_one(rows, cols, seed, dtype):
 )
 def test_transpose_equivariance(n, aspect, seed, method):
     """NS(Gᵀ) = NS(G)ᵀ: bitwise for non-square G (both iterate on the same short-side matrix);
-    for square G the two iterate on Gᵀ and G, equal in exact arithmetic (proofs/ns_symmetry.md)."""
+    for square G the two iterate on Gᵀ and G, equal in exact arithmetic (proofs/ns_symmetry.md):
+    compared in fp32 and fp64 iterates. (In bf16 the two roundings of a small, ill-conditioned
+    square matrix part by up to 15% through the quintic's gain on small singular values, as a
+    bf16 emulation of the same steps does too: no bound there tests the library.)"""
     G = _matrix(*_shape(n, aspect), 10.0, seed, dtype=torch.float32)
     dtype = torch.float32 if method == "gram" else None  # bf16 Gram needs >= 32 rows
-    a = orthogonalize(G.mT.contiguous(), method=method, dtype=dtype)
-    b = orthogonalize(G, method=method, dtype=dtype).mT
     if G.shape[0] != G.shape[1]:
-        assert torch.equal(a, b)
-    else:
-        assert rel_err(a, b) < NS_LOW_PRECISION  # two bf16 runs of the same math
-        a64 = orthogonalize(G.double().mT.contiguous(), method=method)
-        assert rel_err(a64, orthogonalize(G.double(), method=method).mT) < 1e-10
+        a = orthogonalize(G.mT.contiguous(), method=method, dtype=dtype)
+        assert torch.equal(a, orthogonalize(G, method=method, dtype=dtype).mT)
+        return
+    a = orthogonalize(G.mT.contiguous(), method=method, dtype=torch.float32)
+    assert rel_err(a, orthogonalize(G, method=method, dtype=torch.float32).mT) < 1e-4
+    a64 = orthogonalize(G.double().mT.contiguous(), method=method)
+    assert rel_err(a64, orthogonalize(G.double(), method=method).mT) < 1e-10
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1e-10, 3.7e-3, 1.0, 5e5, 1e20])
