@@ -147,7 +147,7 @@ class _TeamSizes:
         self.count = Counter(tuple(sh) for sh, _ in big)
         self.one = {tuple(sh): c for sh, c in big}
         self.member = member
-        self.steps: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+        self.ladders: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
         for sh in self.count:  # the sizes where a cheaper member appears, and its cost
             ks, caps = [1], [-self.one[sh]]  # ascending: bisect finds the least k that fits
             for k in range(2, min(max(sh), columns) + 1):
@@ -155,12 +155,12 @@ class _TeamSizes:
                 if c < -caps[-1]:
                     ks.append(k)
                     caps.append(-c)
-            self.steps[sh] = (ks, caps)
+            self.ladders[sh] = (ks, caps)
 
     def _sizing(self, cap: float) -> dict[tuple[int, ...], int]:
         return {
             sh: ks[min(bisect.bisect_left(caps, -cap), len(ks) - 1)]
-            for sh, (ks, caps) in self.steps.items()
+            for sh, (ks, caps) in self.ladders.items()
         }
 
     def _members(self, sh: tuple[int, ...], k: int) -> list[tuple[float, int]]:
@@ -171,9 +171,9 @@ class _TeamSizes:
         return [(self.member(sh, q + 1, k), r), (self.member(sh, q, k), k - r)]
 
     def ranked(self, rest: list[float], world_size: int):
-        """(lower bound, sizing) of every distinct sizing, lowest bound first: no slot of its LPT
-        lies below the largest cost or the mean load."""
-        caps = sorted({-c for _, cs in self.steps.values() for c in cs}, reverse=True)
+        """(lower bound, sizing) of every distinct sizing, lowest bound first: the largest cost
+        and the mean load, which no placement's busiest slot lies below."""
+        caps = sorted({-c for _, cs in self.ladders.values() for c in cs}, reverse=True)
         top, total = (rest[0] if rest else 0.0), math.fsum(rest)
         out, seen = [], set()
         for cap in caps:
