@@ -161,6 +161,27 @@ def test_compiles_to_one_graph_with_the_eager_values(method, dtype):
         assert frames == 1 and err < 1e-6, (err, frames)
 
 
+def _extreme_run(rank, world, scale):
+    """A 24×64 matrix on a team of 2: member 0's columns all zero, member 1's of size `scale`."""
+    W = _whole((24, 64), (), seed=3) * scale
+    W[:, :32] = 0.0
+    cfg = dmuon.NSConfig(dtype=torch.float32)
+    part = W[:, 32 * rank : 32 * (rank + 1)]
+    mine = dmuon.orthogonalize_team(part, dist.group.WORLD, (24, 64), cfg=cfg)
+    return mine, W
+
+
+@pytest.mark.slow
+def test_a_zero_slice_and_huge_entries_normalize_as_the_whole():
+    """Claim 1: each member scales by its own max, so entries near the fp32 maximum do not
+    overflow the sum of squares, and a zero slice stays exact zeros."""
+    for scale in (1e30, 3e-30):
+        (zero, W), (other, _) = run_ranks(_extreme_run, 2, scale)
+        whole = dmuon.orthogonalize(W, dtype=torch.float32)
+        assert torch.equal(zero, torch.zeros_like(zero))
+        assert torch.isfinite(other).all() and rel_err(other, whole[:, 32:]) < 1e-5
+
+
 @pytest.mark.parametrize(
     "shape, dim, G, match",
     [

@@ -64,16 +64,7 @@ def normalize(
     (default: that dtype); written into `scratch` (contiguous, G's shape, fp32/fp64; may be G)."""
     dt = torch.promote_types(G.dtype, torch.float32)
     dims = (-2, -1)
-    if G.dim() == 2:  # one aminmax pass over G (over dims it is the slow path)
-        # a transposed view (a tall matrix) is read in memory order: min and max are exact
-        # in any order, and aminmax does not reorder a strided view itself (~10x slower)
-        lo, hi = torch.aminmax(G.mT if G.mT.is_contiguous() and not G.is_contiguous() else G)
-        amax = torch.maximum(-lo, hi).reshape(1, 1)
-    else:
-        amax = torch.maximum(
-            -torch.amin(G, dim=dims, keepdim=True), torch.amax(G, dim=dims, keepdim=True)
-        )
-    scale = amax.to(dt).clamp_min(torch.finfo(dt).tiny)
+    scale = max_abs(G).to(dt).clamp_min(torch.finfo(dt).tiny)
     if scratch is not None and not G.is_contiguous():
         # the same quotients, elementwise: a blocked transposing copy, then a contiguous
         # divide, ~2x faster than one divide through a transposed view (proofs/ns_notes.md)
@@ -84,6 +75,17 @@ def normalize(
     if out_dtype is None or out_dtype == dt:
         return X
     return X.to(out_dtype, memory_format=torch.contiguous_format)
+
+
+def max_abs(G: Tensor) -> Tensor:
+    """max|G| per matrix, (..., 1, 1) in G's dtype: for one matrix one aminmax pass (over dims
+    it is the slow path); a transposed view (a tall matrix) is read in memory order, since min
+    and max are exact in any order and aminmax does not reorder a strided view (~10x slower)."""
+    if G.dim() == 2:
+        lo, hi = torch.aminmax(G.mT if G.mT.is_contiguous() and not G.is_contiguous() else G)
+        return torch.maximum(-lo, hi).reshape(1, 1)
+    lo, hi = torch.amin(G, dim=(-2, -1), keepdim=True), torch.amax(G, dim=(-2, -1), keepdim=True)
+    return torch.maximum(-lo, hi)
 
 
 # a transposing copy of at least TRANSPOSE_BLOCKED_FROM elements goes by TRANSPOSE_BLOCK source rows

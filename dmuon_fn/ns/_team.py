@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ._cost import member_shape
-from ._iteration import gram, ops, schedule, standard
+from ._iteration import gram, max_abs, ops, schedule, standard
 from ._orthogonalize import NSConfig, iteration, restarts_of
 
 
@@ -87,14 +87,17 @@ def orthogonalize_team(
 
 def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:
     """X / max|W| / (‖W / max|W|‖_F + eps) per matrix, W the whole (X: this member's columns,
-    fp32 or fp64): one all-gather of (max|X_i|, ‖X_i‖²) per member and matrix."""
-    amax = X.abs().amax(dim=(-2, -1)).double()
-    sq = X.double().square().sum(dim=(-2, -1))  # float64: no overflow of fp32 squares
-    every = funcol.all_gather_single(torch.stack([amax, sq]).unsqueeze(0), 0, group)
-    amax = every[:, 0].amax(dim=0).clamp_min(torch.finfo(X.dtype).tiny)
-    norm = every[:, 1].sum(dim=0).sqrt() / amax  # ‖W / max|W|‖_F
-    X = X / amax.to(X.dtype)[..., None, None]  # as orthogonalize: zeros stay exact zeros
-    return X.div_((norm + eps).to(X.dtype)[..., None, None])
+    fp32 or fp64): each member scales its slice by its own max (entries in [-1, 1], no
+    overflow), then one all-gather of (max|X_i|, ‖X_i / max|X_i|‖²) per member and matrix gives
+    the whole's max and norm (proofs/team_ns.md claim 1)."""
+    a = max_abs(X).clamp_min(torch.finfo(X.dtype).tiny)  # (..., 1, 1)
+    Y = X / a  # zeros stay exact zeros
+    sq = torch.linalg.vector_norm(Y, dim=(-2, -1)).double().square()
+    mine = a[..., 0, 0].double()
+    every = funcol.all_gather_single(torch.stack([mine, sq]).unsqueeze(0), 0, group)
+    amax = every[:, 0].amax(dim=0)
+    norm = (every[:, 1] * (every[:, 0] / amax).square()).sum(dim=0).sqrt()  # ‖W / max|W|‖_F
+    return Y.mul_((mine / amax / (norm + eps)).to(X.dtype)[..., None, None])
 
 
 def _summed_as(part: Tensor, dtype: torch.dtype, group: dist.ProcessGroup) -> Tensor:

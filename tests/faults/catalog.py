@@ -341,6 +341,20 @@ FAULTS: tuple[Fault, ...] = (
         (T + "test_team_ns.py::test_bf16_team_is_as_close_to_the_polar_factor_as_one_rank",),
     ),
     Fault(
+        "a team member normalizing its slice by its own max, not the whole matrix's",
+        "dmuon_fn/ns/_team.py",
+        "    return Y.mul_((mine / amax / (norm + eps)).to(X.dtype)[..., None, None])",
+        "    return Y.mul_((1.0 / (norm + eps)).to(X.dtype)[..., None, None])",
+        (T + "test_team_ns.py::test_each_member_holds_its_slice_of_the_whole_result_fp32",),
+    ),
+    Fault(
+        "the planner's team sizes: the first sizing scheduled kept, the rest not weighed",
+        "dmuon_fn/planning/_slices.py",
+        "        if best and bound > best[0]:\n            break",
+        "        if best:\n            break",
+        (T + "test_slices.py::test_the_team_sizing_is_the_best_of_every_cap",),
+    ),
+    Fault(
         "a team's collectives left out of the planner's cost",
         "dmuon_fn/planning/_partition.py",
         "        return flops + byte_cost(sh) * share / max(sh) + flops_per_byte * comm",
