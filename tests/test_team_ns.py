@@ -41,13 +41,14 @@ def _slice(W, dim, bounds, i):
     return W.narrow(dim, bounds[i], bounds[i + 1] - bounds[i])
 
 
-def _team_run(rank, world, team, method, dtype):
-    """Every case on teams of `team` ranks (consecutive ranks), and what CommCounter booked."""
+def _team_run(rank, world, team, method, dtype, seed=0):
+    """Every case (its matrix drawn from `seed`) on teams of `team` ranks (consecutive ranks),
+    and what CommCounter booked."""
     groups = [dist.new_group(list(range(r, r + team))) for r in range(0, world, team)]
     group, member = groups[rank // team], rank % team
     out = []
     for shape, dim, batch in CASES:
-        W = _whole(shape, batch)
+        W = _whole(shape, batch, seed)
         bounds = _bounds(shape[dim], team)
         cfg = dmuon.NSConfig(method=method, dtype=dtype)
         with dmuon.CommCounter() as comm:
@@ -90,29 +91,13 @@ def test_each_member_holds_its_slice_of_the_whole_result_fp32(team, method):
             assert sum(booked.values()) == pytest.approx(nb * per)
 
 
-def _bf16_run(rank, world, method):
-    group = dist.group.WORLD
-    out = []
-    for shape, dim, batch in CASES:
-        W = _whole(shape, batch, seed=1)
-        bounds = _bounds(shape[dim], world)
-        cfg = dmuon.NSConfig(dtype=torch.bfloat16, method=method)
-        with dmuon.CommCounter() as comm:
-            mine = dmuon.orthogonalize_team(
-                _slice(W, dim, bounds, rank), group, shape, dim=dim, cfg=cfg
-            )
-        stats = comm.stats["other"]
-        out.append((mine, dict(stats.calls), dict(stats.op_bytes)))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_bf16_team_is_as_close_to_the_polar_factor_as_one_rank(method):
     """bf16 iterates: the Gram sums go as an fp32 reduce-scatter of row blocks and a bf16
     all-gather (one per standard step / Gram (re)start; counted against `team_bytes`)."""
     world = 4
-    results = run_ranks(_bf16_run, world, method)
+    results = run_ranks(_team_run, world, world, method, torch.bfloat16, 1)
     for k, (shape, dim, batch) in enumerate(CASES):
         W = _whole(shape, batch, seed=1)
         joined = torch.cat([r[k][0] for r in results], dim=dim)
