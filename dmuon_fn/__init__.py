@@ -10,6 +10,7 @@ from .dedicated._dedicate import (
     set_requires_gradient_sync,
     wait_gradients,
 )
+from .dedicated._init import init_weights
 from .dedicated._muon import Muon
 from .functional._plan import FnPlan, plan
 from .functional._step import State, full_params, global_grad_norm, init, update, value_and_grad
@@ -52,6 +53,7 @@ __all__ = [
     "get_ns_backend",
     "global_grad_norm",
     "init",
+    "init_weights",
     "load_checkpoint",
     "load_state",
     "max_logits",

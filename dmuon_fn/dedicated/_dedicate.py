@@ -10,9 +10,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from custom_ops._collectives import broadcast_into
-
-from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, phase, team_groups
+from ..comm._mesh import check_dtypes, check_meshes, master_dtype, own_group, team_groups
 from ..ns._blocks import Blocks, block_shapes, model_blocks
 from ..ns._dispatch import agreed_gram
 from ..planning._check import check_plan_consistent
@@ -71,7 +69,9 @@ def dedicate_params(
     if fsdp.fsdp_modules(model):
         raise ValueError(
             "dedicate_params must run before fully_shard: FSDP2 already manages parameters of "
-            "this model. Call dedicate_params(model, ...) first, then fully_shard"
+            "this model. Call dedicate_params(model, ...) first, then fully_shard (a model "
+            "built on the meta device: dedicate_params, fully_shard, then model.to_empty and "
+            "its init; docs/large_models.md)"
         )
     if predicate is None and not pure:
         raise ValueError("pass a predicate(name, param) -> bool, or pure=True to dedicate all")
@@ -98,6 +98,7 @@ def dedicate_params(
             "p.ndim == 2 dedicates the projection matrices"
         )
 
+    _check_meta(model)
     R = 1 if replicate_mesh is None else replicate_mesh.size()
     shapes = {names[0]: tuple(p.shape) for p, names in params.values()}
     device = _mesh_device(mesh, next(iter(params.values()))[0].device)
@@ -154,6 +155,7 @@ def dedicate_params(
             st.by_param[id(e.param)] = e
 
     uses: dict[nn.Module, list[tuple[str, list[Entry]]]] = {}  # module -> (attribute, entries)s
+    held_by: dict[nn.Module, dict[str, tuple[Entry, list[Entry]]]] = {}  # the entry it holds
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
             if p is not None and (es := of_old.get(id(p))) is not None:
@@ -163,32 +165,72 @@ def dedicate_params(
                 for e in es if len(es) > 1 else ():
                     e.holder = held.param
                 uses.setdefault(module, []).append((pname, es))
+                held_by.setdefault(module, {})[pname] = (held, es)
+    for module, attrs in held_by.items():
+        _follow_apply(module, st, attrs)
     install(model, st, uses, prefetch)
-    # equal copies: TP's whole copies take tensor rank 0's value, HSDP's the global owner's (cast)
-    mine, rep = [e for e in st.entries if st.is_local_owner(e)], st.replicate_group
-    for e in mine:
-        if tp is not None and not e.tp.sharded:
-            with phase(f"dedicate_params (tensor-parallel sync of {e.name})"):
-                broadcast_into(e.param.detach(), 0, tp.group, tp.size)
-    for e in mine if rep is not None else ():
-        with phase(f"dedicate_params (replica sync of {e.name})"):
-            broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, R)
+    st.unsynced = True
+    st.sync_copies("dedicate_params")  # a meta model's: once it is initialized
     setattr(model, STATE_ATTR, st)
     return {n: plan.owner(e.name) for e in st.entries for n in e.names}
 
 
 def _held(st: DedicatedState, e: Entry, old: Tensor, requires_grad: bool) -> nn.Parameter:
     """What this rank holds of `e`: the master (global owner), the full copy in `e.dtype`
-    (local owner), a 0-size placeholder elsewhere."""
-    if st.is_global_owner(e):
-        data = old.detach().to(e.device, master_dtype(old.dtype), copy=True)
+    (local owner), a 0-size placeholder elsewhere; of a meta `old`, the first two on the meta
+    device (storage comes with `model.to_empty`, values with the user's init)."""
+    dtype = master_dtype(old.dtype) if st.is_global_owner(e) else e.dtype
+    if old.is_meta and st.is_local_owner(e):
+        data = torch.empty(old.shape, dtype=dtype, device="meta")
     elif st.is_local_owner(e):
-        data = old.detach().to(e.device, e.dtype, copy=True)
+        data = old.detach().to(e.device, dtype, copy=True)
     else:
-        data = torch.empty(0, dtype=e.dtype, device=e.device)
+        data = torch.empty(0, dtype=dtype, device=e.device)
     p = nn.Parameter(data, requires_grad=requires_grad)
     setattr(p, fsdp.DEDICATED_ATTR, True)
     return p
+
+
+def _follow_apply(module: nn.Module, st: DedicatedState, attrs: dict) -> None:
+    """Keep `module`'s dedicated attributes `attrs` ({name: (the entry it holds, the
+    parameter's entries)}) the entries' parameters through `module._apply` (`to_empty`, `to`),
+    which may put new Parameter objects in their place (meta to a device always does): the
+    entry takes the new one; a tied attribute whose entry another module already moved takes
+    that one, so ties stay tied."""
+
+    def _apply(fn, recurse=True):
+        before = {k: module._parameters[k] for k in attrs}
+        out = type(module)._apply(module, fn, recurse)  # FSDP2 swaps the class: look it up now
+        for k, (held, es) in attrs.items():
+            new = module._parameters[k]
+            if new is before[k]:
+                continue
+            if held.param is not before[k]:  # tied: moved with another module
+                module._parameters[k] = held.param
+                continue
+            del st.by_param[id(held.param)]
+            setattr(new, fsdp.DEDICATED_ATTR, True)
+            held.param, st.by_param[id(new)] = new, held
+            for e in es if len(es) > 1 else ():
+                e.holder = new
+        return out
+
+    module._apply = _apply
+
+
+def _check_meta(model: nn.Module) -> None:
+    """A model with parameters on the meta device must be all meta, buffers included:
+    `model.to_empty` would replace a real tensor's values with uninitialized memory."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = [n for n, t in tensors if fsdp.local(t).is_meta]
+    real = [(n, t.device) for n, t in tensors if not fsdp.local(t).is_meta]
+    if meta and real:
+        raise ValueError(
+            f"{meta[0]} is on the meta device but {real[0][0]} on {real[0][1]} ({len(real)} "
+            "real tensors in a meta model): model.to_empty would leave the real ones "
+            "uninitialized. Build the whole model under torch.device('meta') and set every "
+            "value in its init after to_empty (buffers too), or build it all on a real device"
+        )
 
 
 def _blocks(spec: Blocks | None, shape: tuple[int, ...]) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 DEDICATED_ATTR = "_dmuon_dedicated"
 _STATE_KEY = "__composable_api_state_key"
@@ -41,6 +41,12 @@ def counted_here(t: torch.Tensor) -> bool:
 def mesh_ranks(t: torch.Tensor) -> set[int]:
     """The global ranks of a DTensor's mesh (a plain tensor: none)."""
     return set(t.device_mesh.mesh.flatten().tolist()) if isinstance(t, DTensor) else set()
+
+
+def shard_like(full: torch.Tensor, d: DTensor) -> torch.Tensor:
+    """This rank's local part of `full` (a plain tensor of `d`'s global shape, equal on every
+    rank) as `d` lays it out (FSDP2's Shard(0), TP's placements; no communication)."""
+    return distribute_tensor(full, d.device_mesh, d.placements, src_data_rank=None).to_local()
 
 
 def dtensor_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

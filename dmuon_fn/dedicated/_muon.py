@@ -84,6 +84,14 @@ class Muon(torch.optim.Optimizer):
                 "Muon(model) needs dedicate_params(model, mesh, predicate) first: it decides "
                 "which rank owns each matrix. Call dedicate_params, then fully_shard, then Muon"
             )
+        if st.on_meta():
+            raise ValueError(
+                "Muon(model): the dedicated parameters are still on the meta device. Give them "
+                "storage and values first: model.to_empty(device=...), then the model's init "
+                "(dmuon_fn.init_weights(model, fn, seed=...) for values independent of the "
+                "world size), then Muon"
+            )
+        st.sync_copies("Muon")  # a meta model's copies, now that it is initialized
         ns = NSConfig(ns_steps, coefficients, method=ns_method, kernel=ns_kernel, dtype=ns_dtype)
         self.config = Config(
             lr=lr,

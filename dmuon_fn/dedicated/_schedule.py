@@ -122,6 +122,13 @@ class Scheduler:
     def begin_forward(self) -> None:
         """Land last backward's reduces, forget what an earlier forward left owed, issue the
         first units (keeping those the step issued, unless their owners changed since)."""
+        if self.st.unsynced:  # a meta model's first forward
+            if self.st.on_meta():
+                raise RuntimeError(
+                    "forward of a model whose dedicated parameters are on the meta device: "
+                    "call model.to_empty(device=...) and initialize the model first"
+                )
+            self.st.sync_copies("forward")
         self.wait_reduces()
         changed = [e.name for e, v in self.from_step or () if e.param._version != v]
         if self.from_step is None or changed:

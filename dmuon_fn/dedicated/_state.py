@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from custom_ops._collectives import broadcast_into
 from custom_ops._collectives import broadcast_start as issue_broadcast
 
 from ..comm._counters import blocked
@@ -137,6 +138,7 @@ class DedicatedState:
     by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
     scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_hooks.install
     teams: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # matrix -> my team's
+    unsynced: bool = False  # copies of held values not made equal yet (`sync_copies`)
 
     def team(self, e: Entry) -> Team | None:
         """What `e` (a piece of a team this rank is in) passes `orthogonalize_team`, else None."""
@@ -155,6 +157,36 @@ class DedicatedState:
 
     def is_global_owner(self, e: Entry) -> bool:
         return e.owner_shard == self.view.shard_rank and e.owner_replica == self.view.replica_rank
+
+    def on_meta(self) -> bool:
+        """Whether the held values are still on the meta device (alike on every rank: a meta
+        model's before `model.to_empty`)."""
+        return any(e.param.is_meta for e in self.entries)
+
+    def sync_copies(self, where: str) -> None:
+        """Make the copies of every held value equal, once: TP's whole copies take tensor rank
+        0's, HSDP's local owners the global owner's (cast). A meta model's wait until it has
+        storage (`to_empty`) and values (its init): the first of `init_weights`, `Muon` and the
+        first forward runs them."""
+        if not self.unsynced or self.on_meta():
+            return
+        for e in self.entries:
+            if e.param.device != e.device:
+                raise ValueError(
+                    f"{e.name} is on {e.param.device} but its mesh computes on {e.device}: "
+                    f"materialize the model with model.to_empty(device={str(e.device)!r})"
+                )
+        self.unsynced = False
+        mine, tp = [e for e in self.entries if self.is_local_owner(e)], self.tensor
+        for e in mine:
+            if tp is not None and not e.tp.sharded:
+                with phase(f"{where} (tensor-parallel sync of {e.name})"):
+                    broadcast_into(e.param.detach(), 0, tp.group, tp.size)
+        rep = self.replicate_group
+        for e in mine if rep is not None else ():
+            with phase(f"{where} (replica sync of {e.name})"):
+                buf = e.param.detach().to(e.dtype)
+                broadcast_into(buf, e.owner_replica, rep, self.replicate_size)
 
     def publish(self, asynchronous: bool) -> None:
         """After a step: entries forget `touched`; HSDP: the touched ones' local owners take the

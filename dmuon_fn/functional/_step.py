@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm._mesh import master_dtype
+from ..dedicated._init import held_values
 from ..optim import _guard as guard
 from ..optim._config import Config, check_nonfinite
 from ..optim._qk_clip import check_clip_heads, clip_params, stacked_maxes
@@ -46,15 +47,35 @@ class State(NamedTuple):
     grad_norm: torch.Tensor | None = None
 
 
-def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> State:
-    """This rank's `State`: real where it owns, 0-size elsewhere."""
+def init(
+    model: nn.Module,
+    fn_plan: FnPlan,
+    config: Config | None = None,
+    *,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    seed: int | None = None,
+    device: torch.device | str | None = None,
+) -> State:
+    """This rank's `State`: real where it owns, 0-size elsewhere.
+
+    A model built on the meta device: pass `init_fn` (as `init_weights`'s `fn`), `seed` and
+    `device`; only what this rank holds is computed (each value as `init_weights(model,
+    init_fn, seed=seed)` gives it on one process, whatever the world size), the model's buffers
+    get storage and values on `device`, its parameters stay on meta."""
     config = config or Config()
     matrices = {n: fn_plan.shape(n) for n in fn_plan.muon}
     check_clip_heads(config.qk_clip_heads, matrices, fn_plan.partition.teams)
     params, opt = {}, {}
-    named = dict(model.named_parameters())
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    if any(p.is_meta for p in named.values()):
+        named = _materialized(model, named, fn_plan, init_fn, seed, device)
+    elif init_fn is not None or seed is not None:
+        raise ValueError(
+            "init_fn and seed are for a model on the meta device; this one has values "
+            "(dmuon_fn.init_weights(model, fn, seed=...) initializes it in place)"
+        )
     for name in fn_plan.names:
-        whole, pieces = named[name].detach(), fn_plan.pieces([name])
+        whole, pieces = named[name], fn_plan.pieces([name])
         held = [
             whole.narrow(fn_plan.cut_dim(name), a, b - a)
             for _, p, a, b in pieces
@@ -67,6 +88,29 @@ def init(model: nn.Module, fn_plan: FnPlan, config: Config | None = None) -> Sta
     device = next(iter(params.values())).device
     config.check_setup(device, across_ranks=fn_plan.shard_size * fn_plan.replicate_size > 1)
     return State(params, opt, fn_plan, config, *guard.counters(device))
+
+
+def _materialized(model, named, fn_plan: FnPlan, init_fn, seed, device) -> dict:
+    """`named` ({name: meta tensor}) with the values of the parameters this rank holds."""
+    if init_fn is None or seed is None or device is None:
+        raise ValueError(
+            "the model is on the meta device: pass init(model, plan, config, init_fn=fn, "
+            "seed=..., device=...) so that this rank computes the values it holds (fn(module) "
+            "as for model.apply, e.g. lambda m: getattr(m, 'reset_parameters', lambda: None)())"
+        )
+    real = [n for n, p in named.items() if not p.is_meta]
+    if real:
+        raise ValueError(
+            f"{real[0]} has a value in a model on the meta device: build every parameter "
+            "under torch.device('meta'), or none"
+        )
+    held = {n for n in fn_plan.names if fn_plan.is_local_owner(n)}
+    values = held_values(model, held, init_fn, seed=seed, device=torch.device(device))
+    # what others hold: a full-shape view of one element (nothing is read from it)
+    nothing = {
+        n: torch.empty((), dtype=p.dtype, device=device).expand(p.shape) for n, p in named.items()
+    }
+    return {n: values[n] if n in held else nothing[n] for n in named}
 
 
 def _held(p: torch.Tensor, name: str, fn_plan: FnPlan) -> torch.Tensor:
