@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
@@ -28,6 +29,7 @@ from tests._models import (
     TinyMLP,
     TinyTransformer,
     batch,
+    config_fp32,
     full_params,
     is_proj,
     meshes,
@@ -210,3 +212,82 @@ def test_a_meta_model_trains_as_the_eager_one_on_one_process():
             owners = results[0][i]["owners"]
             pieces = [n for n in owners if n.startswith("layers.0.up_proj.weight[")]
             assert len(pieces) == 2 and len({owners[p] for p in pieces}) == 2, owners
+
+
+# --- the functional face and tensor parallelism on a meta model ---------------------------
+
+
+def _functional(rank, world, hsdp):
+    mesh, rep = meshes(world, hsdp)
+    with torch.device("meta"):
+        model = TinyMLP()
+    fp = dmuon.plan(model, mesh, replicate_mesh=rep)  # from shapes alone
+    state = dmuon.init(model, fp, config_fp32(), init_fn=reset, seed=SEED, device="cpu")
+    held = {n: tuple(t.shape) for n, t in state.params.items()}
+
+    def loss_fn(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    for step in range(STEPS):
+        _, grads = dmuon.value_and_grad(loss_fn, fp)(state.params, batch("mlp", step, rank))
+        state = dmuon.update(grads, state)
+    meta = all(p.is_meta for p in model.parameters())
+    return dict(params=dmuon.full_params(state), held=held, plan=fp, meta=meta)
+
+
+def _tensor_parallel(rank, world):
+    from tests import _tp
+
+    m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = _tp.TPModel()
+    _tp.parallelize(model, m["tp"])  # on meta, as torchtitan does
+    dmuon.dedicate_params(model, m["dp"], _tp.is_matrix)
+    fully_shard(model, mesh=m["dp"])
+    model.to_empty(device="cpu")
+    dmuon.init_weights(model, reset, seed=SEED)
+    initial = full_params(model)
+    opt = muon_fp32(model)
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(_tp.tokens(step, rank // 2, 2)).backward()
+        opt.step()
+    return dict(params=full_params(model), initial=initial)
+
+
+def _faces(rank, world):
+    return dict(
+        functional=_functional(rank, world, False),
+        hsdp=_functional(rank, world, True),
+        tp=_tensor_parallel(rank, world),
+    )
+
+
+@pytest.mark.slow
+def test_the_functional_face_and_tensor_parallelism_on_a_meta_model():
+    from tests import _tp
+
+    results = run_ranks(_faces, 4)
+    muon = {n for n, p in _eager("mlp").named_parameters() if p.ndim >= 2}
+    ref = reference("mlp", 4, STEPS, muon, HP, model=_eager("mlp").double(), loss=_loss64)
+    for face in ("functional", "hsdp"):
+        for rank, r in enumerate(x[face] for x in results):
+            assert r["meta"], "the functional model's parameters stay on meta"
+            fp = r["plan"]
+            for n, shape in r["held"].items():  # real only where this rank holds it
+                assert shape == (fp.held_shape(n) if fp.is_local_owner(n) else (0,)), (n, shape)
+            for n, want in ref.items():
+                err = _rel(r["params"][n].double(), want)
+                assert err <= TOL, (face, rank, n, err)
+    eager = _tp.TPModel()
+    dmuon.init_weights(eager, reset, seed=SEED)
+    start = {n: p.detach().clone() for n, p in eager.named_parameters()}
+    muon = {n for n, p in eager.named_parameters() if _tp.is_matrix(n, p)}
+    loss = lambda m, step, r: m(_tp.tokens(step))  # noqa: E731
+    ref = reference("", 1, STEPS, muon, HP, model=eager.double(), loss=loss)
+    for rank, r in enumerate(x["tp"] for x in results):
+        for n, want in start.items():
+            assert torch.equal(r["initial"][n], want), ("tp", rank, n)
+        for n, want in ref.items():
+            err = _rel(r["params"][n].double(), want)
+            assert err <= TOL, ("tp", rank, n, err)
