@@ -114,6 +114,10 @@ class Scheduler:
         self.pass_open = False  # a backward pass has an end-of-pass callback queued
         self.ready: list[Group] = []  # complete gradient sums, reduced at the next call
         self.reduces: list[list] = []  # issued: [bucket, flat sum, work, indices it holds]
+        # the bytes of gradient sums in flight before the oldest are landed: as many as Z3's
+        # gathered copies (depth + 1 of the largest unit), so no rank holds a whole model's
+        sizes = [sum(g.numel * _itemsize(g.reduce_dtype) for g in u.groups) for u in self.units]
+        self.reduce_cap = (depth + 1) * max(sizes, default=0)
 
     def issue(self, unit: Unit, what: str) -> Flight:
         flight = Flight(self.st, unit, what)
@@ -271,12 +275,24 @@ class Scheduler:
         self.reduces.append([g, flat, work, members])
         if not self.depth:
             self.wait_reduces()
+            return
+        # land the oldest beyond the cap (bucket sizes and order alike on every rank)
+        sizes = [r[1].numel() * r[1].element_size() for r in self.reduces]
+        first = 0
+        while first < len(sizes) - 1 and sum(sizes[first:]) > self.reduce_cap:
+            first += 1
+        if first:
+            self._land(first)
 
     def wait_reduces(self) -> None:
         """Land every issued reduce (HSDP: stage 2 issued here, in issue order) as the mean
         (sum / (G·R)) in each global owner's `.grad`."""
         self._flush()
-        st, pending, self.reduces = self.st, self.reduces, []
+        self._land(len(self.reduces))
+
+    def _land(self, n: int) -> None:
+        """`wait_reduces` for the `n` oldest issued reduces."""
+        st, pending, self.reduces = self.st, self.reduces[:n], self.reduces[n:]
         for r in pending:  # the work becomes stage 2's
             g, flat, work, _ = r
             with blocked(), phase(f"backward (gradient reduce of {g.names})"):
@@ -297,3 +313,7 @@ class Scheduler:
                             e.param.grad = grad
                         else:
                             e.param.grad += grad
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

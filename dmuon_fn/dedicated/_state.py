@@ -184,9 +184,8 @@ class DedicatedState:
                     broadcast_into(e.param.detach(), 0, tp.group, tp.size)
         rep = self.replicate_group
         for e in mine if rep is not None else ():
-            with phase(f"{where} (replica sync of {e.name})"):
-                buf = e.param.detach().to(e.dtype)
-                broadcast_into(buf, e.owner_replica, rep, self.replicate_size)
+            with phase(f"{where} (replica sync of {e.name})"):  # (the owner sends a cast copy)
+                broadcast_into(e.param.detach().to(e.dtype), e.owner_replica, rep, rep.size())
 
     def publish(self, asynchronous: bool) -> None:
         """After a step: entries forget `touched`; HSDP: the touched ones' local owners take the
