@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from dmuon_fn.dedicated._init import param_seed
 from tests._dist import run_ranks
 from tests._models import (
     HP,
+    D,
     TinyMLP,
     TinyTransformer,
     batch,
@@ -356,3 +358,64 @@ def test_no_rank_holds_more_than_its_share():
     eager = run_ranks(_peak, 4, False)
     for r in eager:
         assert r["peak"] >= r["full"], r
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _meta_mlp() -> nn.Module:
+    with torch.device("meta"):
+        return TinyMLP()
+
+
+def _errors(rank, world):
+    mesh, _ = meshes(world, False)
+    out = {}
+    m = _meta_mlp()
+    m.register_buffer("table", torch.ones(3))  # a real buffer in a meta model
+    out["buffer"] = _raises(lambda: dmuon.dedicate_params(m, mesh, is_proj))
+    m = _meta_mlp()
+    m.head = nn.Linear(D, 1, bias=False)  # a real parameter among meta ones
+    out["mixed"] = _raises(lambda: dmuon.dedicate_params(m, mesh, is_proj))
+    m = _meta_mlp()
+    fully_shard(m, mesh=mesh)
+    m.to_empty(device="cpu")
+    out["after_to_empty"] = _raises(lambda: dmuon.dedicate_params(m, mesh, is_proj))
+    m = _meta_mlp()
+    dmuon.dedicate_params(m, mesh, pure=True)
+    out["muon_on_meta"] = _raises(lambda: muon_fp32(m))
+    out["init_on_meta"] = _raises(lambda: dmuon.init_weights(m, reset, seed=0))
+    out["forward_on_meta"] = _raises(lambda: m(torch.ones(2, D)))
+    m = _meta_mlp()
+    fp = dmuon.plan(m, mesh)
+    out["fn_no_init"] = _raises(lambda: dmuon.init(m, fp, config_fp32()))
+    real = TinyMLP()
+    fp = dmuon.plan(real, mesh)
+    out["fn_init_real"] = _raises(lambda: dmuon.init(real, fp, init_fn=reset, seed=0))
+    return out
+
+
+def test_bad_input_on_the_meta_path_is_a_clear_error():
+    (out, _) = run_ranks(_errors, 2)
+    want = {
+        "buffer": r"table on cpu .* Build the whole model under torch.device\('meta'\)",
+        "mixed": r"head.weight on cpu .*uninitialized",
+        "after_to_empty": r"must run before fully_shard.*meta device: dedicate_params, "
+        r"fully_shard, then model.to_empty",
+        "muon_on_meta": r"still on the meta device.*to_empty.*init_weights",
+        "init_on_meta": r"still on the meta device.*call model.to_empty",
+        "forward_on_meta": r"RuntimeError: forward of a model whose dedicated parameters are "
+        r"on the meta device",
+        "fn_no_init": r"pass init\(model, plan, config, init_fn=fn, seed=..., device=...\)",
+        "fn_init_real": r"init_fn and seed are for a model on the meta device",
+    }
+    for key, pattern in want.items():
+        assert re.search(pattern, out[key], re.S), (key, out[key])
