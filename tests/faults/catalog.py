@@ -368,4 +368,25 @@ FAULTS: tuple[Fault, ...] = (
         "    return total",
         (T + "test_summary.py",),
     ),
+    Fault(
+        "a seeded init drawing from one generator per module, not per parameter",
+        "dmuon_fn/dedicated/_init.py",
+        "_call(module, fn, param_seed(seed, prefix + attr), {attr: full}, shape_of, prefix + attr)",
+        "_call(module, fn, param_seed(seed, mname), {attr: full}, shape_of, prefix + attr)",
+        (T + "test_meta_init.py::test_a_value_is_a_function_of_seed_name_and_shape_alone",),
+    ),
+    Fault(
+        "a meta model's HSDP replicas left with their own values after init",
+        "dmuon_fn/dedicated/_state.py",
+        "        for e in mine if rep is not None else ():",
+        "        for e in ():",
+        (T + "test_meta_init.py::test_a_meta_model_trains_as_the_eager_one_on_one_process",),
+    ),
+    Fault(
+        "a whole backward's gradient sums kept in flight until the step",
+        "dmuon_fn/dedicated/_schedule.py",
+        "        self.reduce_cap = (depth + 1) * max(sizes, default=0)",
+        "        self.reduce_cap = float('inf')",
+        (T + "test_meta_init.py::test_no_rank_holds_more_than_its_share",),
+    ),
 )
