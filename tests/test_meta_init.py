@@ -299,50 +299,14 @@ def test_the_functional_face_and_tensor_parallelism_on_a_meta_model():
 
 # --- no rank holds more than its share -----------------------------------------------------
 
-LAYERS, WIDTH, HIDDEN, DEPTH = 48, 128, 512, 1  # 48 x 3 matrices of 256 KiB: 36 MiB of masters
-
 
 def _peak(rank, world, meta):
-    """The peak of every tensor this rank allocates from building the model to the end of 2
-    training steps (the CPU allocator's records, examples/benchmarks/_memory.py), and the bytes
-    its plan gives it: its masters, their gradients and Muon's momentum (AdamW's two moments
-    for FSDP2's shards), and 2·DEPTH + 3 of the largest layer's gathered bytes (Z3 holds
-    DEPTH + 1 layers' copies, as many layers' gradient sums are in flight to their owners, and
-    one layer's gradients are being made)."""
+    """examples/benchmarks/bench_meta_memory.py's measurement: 48 layers of 3 matrices of
+    128 × 512 (36 MiB of fp32 masters), this rank's peak, its share and the whole model."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
-    from _memory import peak_bytes
+    from bench_meta_memory import measure
 
-    mesh, _ = meshes(world, False)
-
-    def flow():
-        with torch.device("meta" if meta else "cpu"):
-            model = TinyMLP(WIDTH, HIDDEN, LAYERS)
-        dmuon.dedicate_params(model, mesh, is_proj, prefetch=DEPTH)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        dmuon.init_weights(model, reset, seed=SEED)
-        opt = muon_fp32(model)
-        for step in range(2):
-            opt.zero_grad()
-            g = torch.Generator().manual_seed(100 * step + rank)
-            model(torch.randn(4, WIDTH, generator=g)).backward()
-            opt.step()
-        return model
-
-    model, peak = peak_bytes(flow)
-    st = model._dmuon_state
-    held = sum(4 * e.param.numel() for e in st.entries if st.is_global_owner(e))
-    shards = sum(4 * fsdp_local(p).numel() for p in model.parameters() if st.entry(p) is None)
-    unit = max(sum(4 * g.numel for g in u.groups) for u in st.scheduler.units)
-    share = 3 * held + 4 * shards + (2 * DEPTH + 3) * unit
-    full = sum(4 * p.numel() for p in TinyMLP(WIDTH, HIDDEN, LAYERS).parameters())
-    return dict(peak=peak["total"], share=share, full=full, held=held, unit=unit)
-
-
-def fsdp_local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
+    return measure(rank, world, meta)
 
 
 @pytest.mark.slow
