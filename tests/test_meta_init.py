@@ -358,6 +358,10 @@ def _errors(rank, world):
     out["muon_on_meta"] = _raises(lambda: muon_fp32(m))
     out["init_on_meta"] = _raises(lambda: dmuon.init_weights(m, reset, seed=0))
     out["forward_on_meta"] = _raises(lambda: m(torch.ones(2, D)))
+    out["cap"] = _raises(
+        lambda: dmuon.dedicate_params(_meta_mlp(), mesh, is_proj, max_bytes_per_rank=64)
+    )
+    out["fn_cap"] = _raises(lambda: dmuon.plan(_meta_mlp(), mesh, max_bytes_per_rank=64))
     m = _meta_mlp()
     fp = dmuon.plan(m, mesh)
     out["fn_no_init"] = _raises(lambda: dmuon.init(m, fp, config_fp32()))
@@ -380,6 +384,8 @@ def test_bad_input_on_the_meta_path_is_a_clear_error():
         r"on the meta device",
         "fn_no_init": r"pass init\(model, plan, config, init_fn=fn, seed=..., device=...\)",
         "fn_init_real": r"init_fn and seed are for a model on the meta device",
+        "cap": r"max_bytes_per_rank=64: .*no world size up to 128 brings it under the cap",
+        "fn_cap": r"max_bytes_per_rank=64: .*raise the cap",
     }
     for key, pattern in want.items():
         assert re.search(pattern, out[key], re.S), (key, out[key])

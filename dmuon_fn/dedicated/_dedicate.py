@@ -39,6 +39,7 @@ def dedicate_params(
     prefetch: int = 1,
     blocks: Mapping[str, Blocks | str] | None = None,
     teams: Mapping[str, int] | None = None,
+    max_bytes_per_rank: int | None = None,
 ) -> dict[str, int | tuple[int, int]]:
     """Give each parameter matched by `predicate(name, param)` one owner; call before fully_shard.
 
@@ -61,6 +62,9 @@ def dedicate_params(
     teams: {name: k} puts a matrix on a team of k owners of its slices, which run its
         Newton-Schulz together (`partition`'s; the planner gives the costliest matrices teams
         by itself).
+    max_bytes_per_rank: the most resident bytes (fp32 masters and optimizer states, HSDP copies)
+        the plan may give a rank; a plan over it is refused naming the smallest world size that
+        fits (`partition`'s).
     Returns {name: owner}: the shard rank, or (shard, replica) under HSDP (tensor parallelism:
     the data coordinate; `plan.tensor_slot(name)` its root tensor rank).
     """
@@ -112,6 +116,7 @@ def dedicate_params(
         layouts=None if tmesh is None else {n[0]: layout_name(p) for p, n in params.values()},
         blocks=model_blocks(model, [n for n, s in shapes.items() if len(s) >= 2], blocks),
         teams=teams,
+        max_bytes_per_rank=max_bytes_per_rank,
     )
     split = [n for n, s in shapes.items() if len(s) >= 2 and _blocks(plan.blocks_of(n), s) > 1]
     split = [n for n in split if plan.tensor_slot(n) != LOCAL]  # (whole experts per rank: fine)

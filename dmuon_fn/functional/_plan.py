@@ -102,6 +102,7 @@ def plan(
     reduce_dtype: torch.dtype | None = None,
     blocks: Mapping[str, Blocks | str] | None = None,
     teams: Mapping[str, int] | None = None,
+    max_bytes_per_rank: int | None = None,
 ) -> FnPlan:
     """Plan ownership of every parameter of `model` (`named_parameters()` order); mesh None: one
     process. predicate(name, param) picks the Muon matrices (default: 2+ dims), the rest AdamW.
@@ -111,7 +112,8 @@ def plan(
     blocks: {name or fnmatch pattern: `Blocks` spec} for matrices made of several (experts,
     fused qkv, heads); default: conv weights one flattened matrix, other 3+-D parameters a
     batch of matrices over their leading dims (ns/_blocks.py). teams: {name: k} puts a matrix
-    on a team of k (`partition`'s)."""
+    on a team of k (`partition`'s). max_bytes_per_rank: a cap on each rank's resident bytes,
+    as `dedicate_params`'s."""
     check_dtypes(param_dtype, reduce_dtype)
     named = list(model.named_parameters())
     if not named:
@@ -148,6 +150,7 @@ def plan(
         **rule,
         blocks=specs,
         teams=teams,
+        max_bytes_per_rank=max_bytes_per_rank,
     )
     mine = {}
     if dist.is_initialized() and G * R > 1:

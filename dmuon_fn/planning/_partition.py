@@ -20,6 +20,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, GRAM_MIN_SHORT, ns_flops, ns_method, team_bytes, team_flops
 from ._layers import layer_keys
+from ._memory import check_cap, choose, element_bytes, rebalance
 from ._slices import check_teams, heaviest, parse_piece, slice_rows, spread_columns
 from ._tensor import LOCAL, keeps_matrices
 
@@ -203,6 +204,8 @@ def partition(
     blocks: Mapping[str, Blocks | str] | None = None,
     slices: bool = True,
     teams: Mapping[str, int] | None = None,
+    balance_bytes: bool = True,
+    max_bytes_per_rank: int | None = None,
     _per_share: int = 2,
 ) -> Plan:
     """One owner slot per parameter of `named_shapes` ({name: shape} or pairs), costs balanced.
@@ -227,8 +230,17 @@ def partition(
         model, collectives included (proofs/partition.md §10); kept where they lighten a plan.
     teams: {name: k} puts a one-matrix parameter on a team of k (2 <= k <= shard columns),
         whatever it costs, or (k = 1) keeps it whole (with `slices`).
+    balance_bytes: move units between slots to even out their resident bytes (masters and
+        optimizer states, planning/_memory.py), never above the schedule's busiest NS load.
+    max_bytes_per_rank: refuse (ValueError, naming the smallest world size that fits) a plan
+        whose busiest slot's resident bytes (`resident(plan)`) exceed this.
     """
     options = {k: v for k, v in locals().items() if k in _OPTIONS}
+    if max_bytes_per_rank is not None:
+        cap = _check_int("max_bytes_per_rank", max_bytes_per_rank, 1)
+        plan = partition(named_shapes, world_size, **options, slices=slices, teams=teams)
+        return check_cap(plan, cap, lambda w: partition(
+            named_shapes, w, **options, slices=slices, teams=teams))  # fmt: skip
     world_size = _check_int("world_size", world_size, 1)
     replicate_size = _check_int("replicate_size", replicate_size, 1)
     if world_size % replicate_size:
@@ -284,7 +296,7 @@ def partition(
         costs = [ns_of(b, sh) + byte_cost(sh) for b, sh in zip(specs, shapes, strict=True)]
         rows, sliced, member_of = slice_rows(
             (names, shapes, matrix, specs, costs), world_size, world_size // replicate_size,
-            teams or {}, _per_share, member,
+            teams or {}, _per_share, member, balance_bytes,
         )  # fmt: skip
         rows.sort(key=lambda r: r[0])
         parent = {p: n for n, ps in sliced.items() for p in ps}
@@ -313,6 +325,17 @@ def partition(
         nbytes=[sum(nbytes[i] for i in u) for u in units],
         replicate=replicate_size, refined=refine, spread_tolerance=spread_tolerance,
     )  # fmt: skip
+    if balance_bytes and refine:  # even out resident bytes within the NS bound
+        parent = {p: n for n, ps in sliced.items() for p in ps}
+        u_slot = rebalance(
+            u_slot,
+            [math.fsum(ns[i] + flops_per_byte * comm[i] for i in u) for u in units],
+            [math.fsum(costs[i] for i in u) for u in units],
+            [sum(element_bytes(matrix[i]) * math.prod(shapes[i]) for i in u) for u in units],
+            world_size,
+            [parent.get(names[u[0]]) for u in units],
+            world_size // replicate_size,
+        )
     slots = [0] * len(names)
     for u, s in zip(units, u_slot, strict=True):
         for i in u:
@@ -360,13 +383,13 @@ def partition(
         return plan
     unsliced = partition(named_shapes, world_size, **options, slices=False)
     finer = partition(named_shapes, world_size, **options, _per_share=4)
-    return min((plan, finer, unsliced), key=lambda p: heaviest(p.slot_loads))  # ties: the first
+    return choose((plan, finer, unsliced), balance_bytes, heaviest)
 
 
 _OPTIONS = (  # partition's keywords but `slices` and `teams`
     *("replicate_size", "elementwise", "steps", "method", "sym_discount", "bytes_per_elem"),
     *("flops_per_byte", "refine", "spread_tolerance", "gram_min_aspect", "gram_min_short"),
-    *("tensor_size", "layouts", "blocks"),
+    *("tensor_size", "layouts", "blocks", "balance_bytes"),
 )
 
 

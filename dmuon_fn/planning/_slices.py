@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from ..ns._blocks import Blocks
+from ._memory import element_bytes
 
 _PIECE = re.compile(r"(.+)\[((?::, )*)(0|[1-9][0-9]*):([1-9][0-9]*)\]")
 
@@ -41,6 +42,9 @@ def parse_piece(piece: str) -> Piece:
     return Piece(m.group(1), int(m.group(3)), int(m.group(4)), len(m.group(2)) // 3)
 
 
+BYTE_PIECES = 4  # a batch's pieces hold at most about 1/4 of a slot's fair share of bytes
+
+
 def cuts(cost: float, mean: float, length: int, columns: int, per_share: int = 2) -> list[int]:
     """Boundaries [0, ..., length] of a batch of `length` matrices costing `cost` when a slot's
     fair share is `mean`: past a fair share, k = min(length, columns, ⌈per_share·cost / mean⌉)
@@ -62,11 +66,15 @@ def team_cuts(shape: Sequence[int], k: int) -> tuple[int, list[int]]:
     return dim, [j * q + min(j, r) for j in range(k + 1)]
 
 
-def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int, member):
+def slice_rows(
+    columns_of, world_size: int, columns: int, teams, per_share: int, member, by_bytes: bool = True
+):
     """(rows, sliced, member_of) of a plan's parameters (`columns_of`: names, shapes, matrix,
     specs, one-owner costs): batches past a fair share cut into pieces of about 1/`per_share`
     of a share (`cuts`), matrices past it on teams (`team_cuts`, sizes by `best_sizing`, a
-    member costing `member(shape, share, k)`), `teams` ({name: k}) as asked. rows: (plan name,
+    member costing `member(shape, share, k)`), `teams` ({name: k}) as asked; `by_bytes`: batches
+    also cut into pieces of at most about 1/BYTE_PIECES of a slot's fair share of resident bytes
+    (planning/_memory.py). rows: (plan name,
     shape, is matrix, spec) per piece or whole parameter, by name; sliced: {parameter: its
     pieces in order}; member_of: {a team's piece: (its matrix's shape, k)}."""
     names, shapes, matrix, specs, costs = columns_of
@@ -77,8 +85,16 @@ def slice_rows(columns_of, world_size: int, columns: int, teams, per_share: int,
         for i, b in enumerate(specs)
         if b == Blocks() and costs[i] > mean and names[i] not in teams
     ]
-    batches = {  # a batch's cut into pieces (boundaries along its dim 0)
-        i: cuts(c, mean, sh[0], columns, per_share)
+    # a batch's cut into pieces (boundaries along its dim 0): by its cost, or finer where its
+    # resident bytes would be more than 1/BYTE_PIECES of a slot's fair share of them
+    held = [math.prod(sh) * element_bytes(m) for sh, m in zip(shapes, matrix, strict=True)]
+    byte_mean = math.fsum(held) / world_size
+    batches = {
+        i: max(
+            cuts(c, mean, sh[0], columns, per_share),
+            cuts(held[i], byte_mean / BYTE_PIECES, sh[0], columns, 1) if by_bytes else [0],
+            key=len,
+        )
         for i, (sh, b, c) in enumerate(zip(shapes, specs, costs, strict=True))
         if b and b.batch
     }

@@ -15,6 +15,7 @@ from ..ns._calibrate import race
 from ..ns._cost import ns_flops
 from ..ns._dispatch import iteration_dtype
 from ..ns._orthogonalize import _default_device
+from ._memory import resident
 from ._partition import Plan, _check, _check_int
 from ._tensor import tensor_shares
 
@@ -39,6 +40,15 @@ class SlotSummary:
     largest_ns_flops: float
     tensor_ns_flops: tuple[float, ...] = ()  # per tensor rank of the slot; () without TP
     team_bytes: float = 0.0  # what its team members send and receive per step (CommCounter's)
+    # resident bytes between steps (planning/_memory.py): fp32 masters, optimizer states (Muon
+    # momentum, AdamW's two moments), HSDP copies of other replicas' parameters (fp32)
+    masters: int = 0
+    states: int = 0
+    copies: int = 0
+
+    @property
+    def resident(self) -> int:
+        return self.masters + self.states + self.copies
 
     @property
     def rank_ns_flops(self) -> float:
@@ -67,6 +77,16 @@ class PlanSummary:
     # a team's collectives, for seconds
     teams: tuple[tuple[str, int, float, float], ...] = ()
     bandwidth: float | None = None
+    # the most bytes of gathered full values a rank holds at once: Z3 with prefetch 1 holds two
+    # layers' dedicated parameters (fp32; half of it gathered in bf16), the largest two
+    gathered_peak: int = 0
+
+    @property
+    def resident_imbalance(self) -> float:
+        """busiest / mean resident bytes (1.0 when nothing is held)."""
+        held = [r.resident for r in self.slots]
+        mean = sum(held) / len(held)
+        return max(held) / mean if mean else 1.0
 
     @property
     def busiest_ns_flops(self) -> float:
@@ -151,6 +171,8 @@ class PlanSummary:
             "bandwidth": self.bandwidth,
             "teams": self.teams,
             "bound_seconds": self.bound_seconds,
+            "gathered_peak": self.gathered_peak,
+            "resident_imbalance": self.resident_imbalance,
             "slots": [dataclasses.asdict(r) for r in self.slots],
             "sliced": self.sliced,
         }
@@ -203,6 +225,7 @@ def plan_summary(
     members: list[list[int]] = [[] for _ in range(plan.world_size)]
     for i, s in enumerate(plan.slots):
         members[s].append(i)
+    held = resident(plan)
     rows = []
     for s, mine in enumerate(members):
         mats = [i for i in mine if plan.matrix[i]]
@@ -220,8 +243,14 @@ def plan_summary(
                 **_largest(plan, mats, one),
                 tensor_ns_flops=per_tensor,
                 team_bytes=math.fsum(comm[i] for i in mine),
+                masters=held.masters[s],
+                states=held.states[s],
+                copies=held.copies[s],
             )
         )
+    per_layer: dict[str, int] = {}
+    for layer, nb in zip(plan.layers, plan.nbytes, strict=True):
+        per_layer[layer] = per_layer.get(layer, 0) + nb
     loads = [r.rank_ns_flops for r in rows]
     return PlanSummary(
         world_size=plan.world_size,
@@ -235,6 +264,7 @@ def plan_summary(
         gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
         sliced=tuple((n, len(ps)) for n, ps in plan.sliced),
+        gathered_peak=sum(sorted(per_layer.values())[-2:]),
         teams=tuple(
             (n, len(ps), math.fsum(flops[plan._index(p)] for p in ps), ns_flops(_whole(plan, n)))
             for n, ps in ((n, plan.pieces(n)) for n in plan.teams)
@@ -305,6 +335,23 @@ def _team_lines(s: PlanSummary) -> list[str]:
     ]
 
 
+def _resident_lines(s: PlanSummary) -> list[str]:
+    top = max(s.slots, key=lambda r: (r.resident, -r.slot))
+    div, unit = _scaled(max(top.resident, 1), "B", binary=True)
+    mean = sum(r.resident for r in s.slots) / len(s.slots)
+
+    def b(x: float) -> str:
+        return f"{x / div:.4g} {unit}"
+
+    copies = f", copies {b(top.copies)}" if s.replicate_size > 1 else ""
+    return [
+        f"resident per rank: up to {b(top.resident)} (rank {top.slot}), mean {b(mean)}, "
+        f"{s.resident_imbalance:.2f}x the mean",
+        f"  of it masters {b(top.masters)}, states {b(top.states)}{copies}; "
+        f"gathered at once: up to {b(s.gathered_peak)}",
+    ]
+
+
 def _render(s: PlanSummary) -> list[str]:
     S, R, T = s.world_size, s.replicate_size, s.tensor_size
     mesh = f" ({S // R} shards x {R} replicas)" if R > 1 else ""
@@ -354,6 +401,7 @@ def _render(s: PlanSummary) -> list[str]:
             ]
     else:
         lines.append("Newton-Schulz per step: none (no matrix in the plan)")
+    lines += _resident_lines(s)
     bdiv, bunit = _scaled(max(r.nbytes for r in s.slots), "B", binary=True)
     who = "rank (s,r)" if R > 1 else "rank"
     w = max(len(who), len(str(S - 1)))
