@@ -40,6 +40,7 @@ from tests._models import (
     muon_fp32,
     reference,
 )
+from tests.test_dedicate_api import _raises
 
 STEPS = 5
 TOL = 1e-5
@@ -154,19 +155,23 @@ def _object(rank, world, name, hsdp, pure, teams):
         fully_shard(model, mesh=full_mesh)
     st = model._dmuon_state  # what each rank holds stays on meta: no storage before to_empty
     on_meta = all(p.is_meta for p in model.parameters() if st.entry(p) is None or p.numel())
+    initial = _materialize_and_train(model, lambda step: batch(name, step, rank))
+    return dict(params=full_params(model), initial=initial, owners=owners, on_meta=on_meta)
+
+
+def _materialize_and_train(model: nn.Module, batch_at) -> dict:
+    """to_empty, init_weights, then STEPS of Muon on `batch_at(step)` (publishes landed); the
+    initial full values."""
     model.to_empty(device="cpu")
     dmuon.init_weights(model, reset, seed=SEED)
     initial = full_params(model)
     opt = muon_fp32(model)
     for step in range(STEPS):
         opt.zero_grad()
-        model(batch(name, step, rank)).backward()
+        model(batch_at(step)).backward()
         opt.step()
     opt.wait_publish()
-    held = sum(e.param.numel() for e in st.entries if e.param.numel() and st.is_local_owner(e))
-    return dict(
-        params=full_params(model), initial=initial, owners=owners, on_meta=on_meta, held=held
-    )
+    return initial
 
 
 OBJECT_CASES = [
@@ -248,14 +253,7 @@ def _tensor_parallel(rank, world):
     _tp.parallelize(model, m["tp"])  # on meta, as torchtitan does
     dmuon.dedicate_params(model, m["dp"], _tp.is_matrix)
     fully_shard(model, mesh=m["dp"])
-    model.to_empty(device="cpu")
-    dmuon.init_weights(model, reset, seed=SEED)
-    initial = full_params(model)
-    opt = muon_fp32(model)
-    for step in range(STEPS):
-        opt.zero_grad()
-        model(_tp.tokens(step, rank // 2, 2)).backward()
-        opt.step()
+    initial = _materialize_and_train(model, lambda step: _tp.tokens(step, rank // 2, 2))
     return dict(params=full_params(model), initial=initial)
 
 
@@ -325,14 +323,6 @@ def test_no_rank_holds_more_than_its_share():
 
 
 # --- bad input -----------------------------------------------------------------------------
-
-
-def _raises(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _meta_mlp() -> nn.Module:
