@@ -116,7 +116,7 @@ class Scheduler:
         self.reduces: list[list] = []  # issued: [bucket, flat sum, work, indices it holds]
         # the bytes of gradient sums in flight before the oldest are landed: as many as Z3's
         # gathered copies (depth + 1 of the largest unit), so no rank holds a whole model's
-        sizes = [sum(g.numel * _itemsize(g.reduce_dtype) for g in u.groups) for u in self.units]
+        sizes = [sum(g.numel * g.reduce_dtype.itemsize for g in u.groups) for u in self.units]
         self.reduce_cap = (depth + 1) * max(sizes, default=0)
 
     def issue(self, unit: Unit, what: str) -> Flight:
@@ -313,7 +313,3 @@ class Scheduler:
                             e.param.grad = grad
                         else:
                             e.param.grad += grad
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,20 +58,13 @@ def resident(plan, copy_bytes: int = MASTER_BYTES) -> Resident:
     W, G = plan.world_size, plan.shard_size
     masters, states, copies = [0] * W, [0] * W, [0] * W
     for sh, s, m in zip(plan.shapes, plan.slots, plan.matrix, strict=True):
-        n = _numel(sh)
+        n = math.prod(sh)
         masters[s] += MASTER_BYTES * n
         states[s] += STATE_BYTES[m] * n
         for r in range(plan.replicate_size):
             if r != s // G:
                 copies[r * G + s % G] += copy_bytes * n
     return Resident(tuple(masters), tuple(states), tuple(copies))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def rebalance(

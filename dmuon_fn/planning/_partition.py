@@ -281,6 +281,7 @@ def partition(
         return flops_per_byte * math.prod(shape) * bytes_per_elem
 
     sliced: dict[str, tuple[str, ...]] = {}
+    parent: dict[str, str] = {}  # a piece -> its parameter
     member_of: dict[str, tuple[tuple[int, ...], int]] = {}  # a team's piece -> (matrix, k)
 
     def team_cost(sh: tuple[int, ...], share: int, k: int) -> tuple[float, float]:
@@ -319,18 +320,18 @@ def partition(
         by_unit[i if matrix[i] else keys[n]].append(i)
     units = list(by_unit.values())
     layer_id = {k: j for j, k in enumerate(sorted(set(keys.values())))}
+    unit_costs = [math.fsum(costs[i] for i in u) for u in units]
     u_slot = schedule(
-        [math.fsum(costs[i] for i in u) for u in units], world_size,
+        unit_costs, world_size,
         groups=[layer_id[keys[names[u[0]]]] if matrix[u[0]] else -1 for u in units],
         nbytes=[sum(nbytes[i] for i in u) for u in units],
         replicate=replicate_size, refined=refine, spread_tolerance=spread_tolerance,
     )  # fmt: skip
     if balance_bytes and refine:  # even out resident bytes within the NS bound
-        parent = {p: n for n, ps in sliced.items() for p in ps}
         u_slot = rebalance(
             u_slot,
             [math.fsum(ns[i] + flops_per_byte * comm[i] for i in u) for u in units],
-            [math.fsum(costs[i] for i in u) for u in units],
+            unit_costs,
             [sum(element_bytes(matrix[i]) * math.prod(shapes[i]) for i in u) for u in units],
             world_size,
             [parent.get(names[u[0]]) for u in units],

@@ -88,11 +88,11 @@ def slice_rows(
     # a batch's cut into pieces (boundaries along its dim 0): by its cost, or finer where its
     # resident bytes would be more than 1/BYTE_PIECES of a slot's fair share of them
     held = [math.prod(sh) * element_bytes(m) for sh, m in zip(shapes, matrix, strict=True)]
-    byte_mean = math.fsum(held) / world_size
+    byte_share = math.fsum(held) / world_size / BYTE_PIECES if by_bytes else math.inf
     batches = {
         i: max(
             cuts(c, mean, sh[0], columns, per_share),
-            cuts(held[i], byte_mean / BYTE_PIECES, sh[0], columns, 1) if by_bytes else [0],
+            cuts(held[i], byte_share, sh[0], columns, 1),
             key=len,
         )
         for i, (sh, b, c) in enumerate(zip(shapes, specs, costs, strict=True))
