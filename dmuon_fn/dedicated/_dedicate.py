@@ -23,7 +23,7 @@ from ..planning._view import RankView
 from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_name, make_layout
 from . import _fsdp_adapter as fsdp
 from ._hooks import install
-from ._state import STATE_ATTR, DedicatedState, Entry, dedicated_state
+from ._state import LIVE, STATE_ATTR, DedicatedState, Entry, dedicated_state
 
 
 def dedicate_params(
@@ -136,6 +136,7 @@ def dedicate_params(
     view = RankView(plan, mesh.get_local_rank(), replica)
     st = DedicatedState(view, *groups, reshard_after_forward, tp)
     st.teams = team_groups(plan, view.shard_rank, replica)
+    LIVE.add(st)
     of_old: dict[int, list[Entry]] = {}  # id(the parameter replaced) -> its entries (pieces)
     for pid, (p, names) in params.items():
         old = fsdp.local(p)  # (tensor parallelism: this tensor rank's part)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 DEDICATED_ATTR = "_dmuon_dedicated"
 _STATE_KEY = "__composable_api_state_key"
@@ -47,6 +47,12 @@ def shard_like(full: torch.Tensor, d: DTensor) -> torch.Tensor:
     """This rank's local part of `full` (a plain tensor of `d`'s global shape, equal on every
     rank) as `d` lays it out (FSDP2's Shard(0), TP's placements; no communication)."""
     return distribute_tensor(full, d.device_mesh, d.placements, src_data_rank=None).to_local()
+
+
+def replicated_like(value: torch.Tensor, d: DTensor) -> DTensor:
+    """`value` (a plain tensor, equal on every rank) as a DTensor replicated over `d`'s mesh."""
+    mesh = d.device_mesh
+    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def dtensor_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

@@ -247,12 +247,13 @@ class Scheduler:
                 self._flush()
 
     def _end_backward(self) -> None:
-        """Reduce every sum (sync on), complete or not."""
+        """Reduce every sum (sync on), complete or not, and land them all: after backward every
+        `.grad` is final, as torch's (clip_grad_norm_ and other code read them)."""
         self.pass_open = False
         for g in self.buckets:
             g.owed = [0] * len(g.entries)
         self.ready += self.buckets if self.sync else []  # after the complete ones
-        self._flush()
+        self.wait_reduces()
         self._restart_backward()
 
     def _flush(self) -> None:  # the sums made complete since the last call
@@ -306,10 +307,16 @@ class Scheduler:
                 wait_work(work, f"backward (gradient reduce of {g.names})")
             for i in members:
                 e = g.entries[i]
-                if st.is_global_owner(e) and e.param.requires_grad:
+                if not e.param.requires_grad:
+                    continue
+                if st.is_global_owner(e):
                     grad = g.part(flat, i).to(e.param.dtype).div_(scale)
                     with torch.no_grad():  # what autograd's AccumulateGrad does
                         if e.param.grad is None:
                             e.param.grad = grad
                         else:
                             e.param.grad += grad
+                elif e.param.grad is None and not st.is_local_owner(e):
+                    # a 0-size gradient on the 0-size placeholder: every rank's model has a
+                    # .grad where the owner's has one (torch's norms: dedicated/_torch_norms.py)
+                    e.param.grad = torch.zeros_like(e.param)

@@ -7,6 +7,7 @@ module's groups are its reduce buckets (proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -28,6 +29,7 @@ from ..planning._view import RankView
 from ..tp._layout import TensorLayout, TensorMesh
 
 STATE_ATTR = "_dmuon_state"
+LIVE: weakref.WeakSet = weakref.WeakSet()  # every DedicatedState alive (dedicated/_torch_norms.py)
 
 
 def broadcast_start(t: Tensor, src: int, group: dist.ProcessGroup, what: str) -> dist.Work | None:

@@ -1,0 +1,120 @@
+"""torch's own gradient tools on a dedicated model (proofs/torch_surface.md): the total norm
+and clipping that trainers call (`clip_grad_norm_`, torchtitan's `get_total_norm` +
+`clip_grads_with_norm_`, `clip_grad_value_`) against the same model on one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import dmuon_fn as dmuon
+from tests._dist import run_ranks
+from tests._models import batch, is_proj, make, meshes, muon_fp32
+from tests.test_training import _full, _rel
+
+MAX_NORM = 0.05
+
+
+def _model(world, hsdp, pure=False):
+    """The Quick Start's model: projections dedicated, the rest on FSDP2; `pure`: every
+    parameter dedicated (AdamW on the owners of non-matrices), no FSDP2."""
+    mesh, rep = meshes(world, hsdp)
+    model = make("mlp")
+    dmuon.dedicate_params(model, mesh, None if pure else is_proj, replicate_mesh=rep, pure=pure)
+    if not pure:
+        fully_shard(model, mesh=mesh if rep is None else mesh._get_root_mesh())
+    return model
+
+
+def _reference(world, norm_type=2.0, how="norm"):
+    """(total norm, clipped gradients) of the one-process model on the ranks' batches."""
+    ref = make("mlp")
+    (sum(ref(batch("mlp", 0, r)) for r in range(world)) / world).backward()
+    if how == "value":
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+        total = 0.0
+    else:
+        total = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, norm_type).item()
+    return total, {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _clip(rank, world, hsdp, norm_type, how, all_dedicated):
+    model = _model(world, hsdp, pure=all_dedicated)
+    model(batch("mlp", 0, rank)).backward()  # no wait: after backward .grad is final
+    params = list(model.parameters())
+    if how == "norm":
+        total = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type)
+    elif how == "titan":  # torchtitan's dist_utils.clip_grad_norm_
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total)
+    else:
+        torch.nn.utils.clip_grad_value_(params, 1e-3)
+        total = torch.zeros(())
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+    muon_fp32(model)  # Muon takes the model as a trainer would after this
+    return total.item(), _full(model, "grad")
+
+
+CASES = [  # (world, hsdp, norm type, how, every parameter dedicated)
+    (4, False, 2.0, "norm", False),
+    (4, True, 2.0, "norm", False),
+    (4, False, math.inf, "norm", True),  # (FSDP2's empty shards: torch has no inf norm of them)
+    (4, False, 1.0, "titan", False),
+    (4, True, 2.0, "titan", False),
+    (4, False, 2.0, "norm", True),
+    (4, True, 2.0, "value", False),
+]
+
+
+@pytest.mark.parametrize("world,hsdp,norm_type,how,all_dedicated", CASES)
+def test_torch_clipping_equals_one_process(world, hsdp, norm_type, how, all_dedicated):
+    want, ref = _reference(world, norm_type, "value" if how == "value" else "norm")
+    got = run_ranks(_clip, world, hsdp, norm_type, how, all_dedicated)
+    assert want > MAX_NORM or how == "value"  # the case clips
+    for total, grads in got:
+        assert total == got[0][0]  # every rank: the same norm, so the same coefficient
+        if how != "value":
+            assert abs(total - want) <= 1e-6 * want, (total, want)
+        for n, g in ref.items():
+            assert _rel(grads[n], g) < 1e-5, n
+
+
+def _placeholders(rank, world):
+    """Which dedicated parameters have a .grad after backward, per rank (owners: full)."""
+    model = _model(world, False)
+    model(batch("mlp", 0, rank)).backward()
+    st = model._dmuon_state
+    return {
+        n: (None if p.grad is None else tuple(p.grad.shape), st.is_global_owner(st.entry(p)))
+        for n, p in model.named_parameters()
+        if st.entry(p) is not None
+    }
+
+
+def test_every_rank_has_a_grad_where_the_owner_has_one():
+    for seen in run_ranks(_placeholders, 2):
+        for n, (shape, owner) in seen.items():
+            assert shape is not None, n
+            assert (shape != (0,)) == owner, (n, shape, owner)
+
+
+def _local_norm(rank, world):
+    """A norm of tensors that are not a dedicated model's gradients stays local (no
+    collective): rank 1 alone calls it."""
+    model = _model(world, False)
+    model(batch("mlp", 0, rank)).backward()
+    x = torch.full((3,), float(rank + 1))
+    local = torch.nn.utils.get_total_norm([x]).item() if rank == 1 else 0.0
+    dist.barrier()
+    return local
+
+
+def test_a_norm_of_other_tensors_is_torch_s_own():
+    assert run_ranks(_local_norm, 2)[1] == pytest.approx(2 * math.sqrt(3))
