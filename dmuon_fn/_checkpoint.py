@@ -185,11 +185,20 @@ def _object_keys(model: nn.Module, optimizer: Muon, st: DedicatedState, *, load:
                 sd[f"optim.{n}.{k}"] = v if v.ndim == 0 else _part(e, v)
         if e is not None and e.is_matrix:
             sd[f"{_BLOCKS}{n}"] = str(st.plan.blocks_of(n))
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for n, b in model.state_dict(keep_vars=True).items():  # buffers
-        if n not in params and torch.is_tensor(b):
-            sd[f"model.{n}"], shapes[f"model.{n}"] = b.detach(), tuple(b.shape)
+    for n, b in _persistent_buffers(model):
+        sd[f"model.{n}"], shapes[f"model.{n}"] = b.detach(), tuple(b.shape)
     return _with_counters(sd, shapes, optimizer.skipped_steps, optimizer.grad_norm)
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers `model.state_dict()` holds (not its parameters: that
+    would send every dedicated one, dedicated/_state_dict.py)."""
+    out = []
+    for prefix, m in model.named_modules():
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                out.append((f"{prefix}.{n}" if prefix else n, b))
+    return out
 
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:

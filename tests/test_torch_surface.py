@@ -13,18 +13,23 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
-from tests._models import batch, is_proj, make, meshes, muon_fp32
+from tests._models import batch, full_params, is_proj, make, meshes, muon_fp32
 from tests.test_training import _full, _rel
 
 MAX_NORM = 0.05
 
 
-def _model(world, hsdp, pure=False):
+TEAMS = {"layers.0.up_proj.weight": 2, "layers.1.down_proj.weight": 2}  # cut by rows, columns
+
+
+def _model(world, hsdp, pure=False, teams=None):
     """The Quick Start's model: projections dedicated, the rest on FSDP2; `pure`: every
-    parameter dedicated (AdamW on the owners of non-matrices), no FSDP2."""
+    parameter dedicated (AdamW on the owners of non-matrices), no FSDP2; `teams`: matrices
+    held in pieces."""
     mesh, rep = meshes(world, hsdp)
     model = make("mlp")
-    dmuon.dedicate_params(model, mesh, None if pure else is_proj, replicate_mesh=rep, pure=pure)
+    pred = None if pure else is_proj
+    dmuon.dedicate_params(model, mesh, pred, replicate_mesh=rep, pure=pure, teams=teams)
     if not pure:
         fully_shard(model, mesh=mesh if rep is None else mesh._get_root_mesh())
     return model
@@ -118,3 +123,111 @@ def _local_norm(rank, world):
 
 def test_a_norm_of_other_tensors_is_torch_s_own():
     assert run_ranks(_local_norm, 2)[1] == pytest.approx(2 * math.sqrt(3))
+
+
+# ---- state dicts ----------------------------------------------------------------------------
+
+
+def _trained(rank, world, hsdp, pure=False, steps=2, teams=None):
+    model = _model(world, hsdp, pure=pure, teams=teams)
+    opt = muon_fp32(model)
+    for step in range(steps):
+        opt.zero_grad()
+        model(batch("mlp", step, rank)).backward()
+        opt.step()
+    opt.wait_publish()
+    return model, opt
+
+
+def _export(rank, world, hsdp, pure, teams):
+    """The full state dict rank 0 exports (torch's API, CPU offload), the model's own full
+    values, and the keys and types of model.state_dict()."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model, _ = _trained(rank, world, hsdp, pure, teams=teams)
+    sd = model.state_dict()
+    kinds = {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()}
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return kinds, {k: v.clone() for k, v in full.items()}, full_params(model)
+
+
+@pytest.mark.parametrize(
+    "hsdp,pure,teams", [(False, False, None), (True, False, None), (False, True, None),
+                        (True, False, TEAMS)],
+)  # fmt: skip
+def test_full_state_dict_loads_into_the_plain_model(hsdp, pure, teams):
+    got = run_ranks(_export, 4, hsdp, pure, teams)
+    plain = make("mlp")
+    want_keys = {k: tuple(v.shape) for k, v in plain.state_dict().items()}
+    for rank, (kinds, full, params) in enumerate(got):
+        assert {k: s for k, (_, s) in kinds.items()} == want_keys
+        assert all(t == "DTensor" for k, (t, _) in kinds.items() if "proj" in k)
+        if rank == 0:
+            assert set(full) == set(want_keys)
+            for n, v in full.items():
+                assert v.device.type == "cpu" and torch.equal(v, params[n].to(v.dtype)), n
+            plain.load_state_dict(full, strict=True)
+        else:
+            assert full == {}  # cpu_offload: rank 0 only
+    assert not torch.equal(
+        plain.layers[0]["up_proj"].weight, make("mlp").layers[0]["up_proj"].weight
+    )
+
+
+def _dcp_save(rank, world, hsdp, path, teams):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model, _ = _trained(rank, world, hsdp, teams=teams)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    return full_params(model), _probe(model)
+
+
+def _probe(model):
+    """The loss of one batch: every replica computes with its own copies."""
+    with torch.no_grad():
+        return model(batch("mlp", 9, 0)).item()
+
+
+def _dcp_load(rank, world, hsdp, path, full_from_rank0, teams):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    model = _model(world, hsdp, teams=teams)
+    if full_from_rank0:  # a plain model's weights, read on rank 0 alone
+        sd = {}
+        if rank == 0:
+            plain = make("mlp")
+            sd = {k: v for k, v in plain.state_dict().items()}
+            dcp.load(sd, checkpoint_id=path, no_dist=True)
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, sd, options=opts)
+    else:
+        sd = get_model_state_dict(model)
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(model, sd)
+    return full_params(model), _probe(model)
+
+
+@pytest.mark.parametrize(
+    "save,load,from_rank0,teams",
+    [((4, False), (4, False), False, None), ((4, False), (2, False), False, None),
+     ((4, False), (4, True), False, None), ((4, True), (2, False), True, None),
+     ((4, True), (4, False), False, TEAMS)],
+)  # fmt: skip
+def test_dcp_round_trip_through_torch_s_state_dict_on_any_world(
+    tmp_path, save, load, from_rank0, teams
+):
+    path = str(tmp_path / "ckpt")
+    saved, loss = run_ranks(_dcp_save, save[0], save[1], path, teams)[0]
+    for got, probe in run_ranks(_dcp_load, load[0], load[1], path, from_rank0, teams):
+        assert probe == pytest.approx(loss, rel=1e-6)  # every replica's copies were loaded
+        assert set(got) == set(saved)
+        for n in saved:
+            assert torch.equal(got[n], saved[n]), n

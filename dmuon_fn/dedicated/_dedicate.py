@@ -24,6 +24,7 @@ from ..tp._layout import TensorMesh, check_crossing, find_tensor_mesh, layout_na
 from . import _fsdp_adapter as fsdp
 from ._hooks import install
 from ._state import LIVE, STATE_ATTR, DedicatedState, Entry, dedicated_state
+from ._state_dict import install as state_dict_hooks
 
 
 def dedicate_params(
@@ -175,6 +176,7 @@ def dedicate_params(
     for module, attrs in held_by.items():
         _follow_apply(module, st, attrs)
     install(model, st, uses, prefetch)
+    state_dict_hooks(st, uses)
     st.unsynced = True
     st.sync_copies("dedicate_params")  # a meta model's: once it is initialized
     setattr(model, STATE_ATTR, st)
