@@ -4,6 +4,7 @@ from ._checkpoint import load_checkpoint, load_state, save_checkpoint, save_stat
 from .comm._counters import CommCounter, CommTimer
 from .comm._mesh import CollectiveError
 from .dedicated import _fsdp_adapter as _fsdp_adapter
+from .dedicated import _optim_state as _optim_state
 from .dedicated import _torch_norms as _torch_norms
 from .dedicated._dedicate import (
     dedicate_params,
@@ -28,6 +29,7 @@ from .planning._summary import PlanSummary, measure_gemm_flops
 
 _fsdp_adapter.install()  # fully_shard skips dedicated params (see _fsdp_adapter)
 _torch_norms.install()  # torch.nn.utils' norms count dedicated gradients once
+_optim_state.install()  # torch's distributed optimizer state dict: whole dedicated states
 
 __all__ = [
     "PRESETS",

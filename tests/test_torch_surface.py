@@ -231,3 +231,117 @@ def test_dcp_round_trip_through_torch_s_state_dict_on_any_world(
         assert set(got) == set(saved)
         for n in saved:
             assert torch.equal(got[n], saved[n]), n
+
+
+# ---- the optimizer's state through torch's distributed state dict ---------------------------
+
+ROWS, STEPS, SPLIT = 8, 4, 2
+
+
+def _global_batch(step, rank, world):
+    """Rows of one global batch: the same data on any world size."""
+    x = torch.randn(ROWS, 32, generator=torch.Generator().manual_seed(7 + step))
+    per = ROWS // world
+    return x[rank * per : (rank + 1) * per]
+
+
+def _momenta(model, opt):
+    """Every parameter's first state tensor (Muon's momentum, AdamW's exp_avg), whole."""
+
+    def first(p):
+        s = opt.state[p]
+        return s["momentum_buffer"] if "momentum_buffer" in s else s["exp_avg"]
+
+    return full_params(model, get=first, cast=False)
+
+
+def _resume(rank, world, hsdp, path, save, flatten, teams):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model = _model(world, hsdp, teams=teams)
+    opt = muon_fp32(model)
+    opts = StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+    def train(steps):
+        for step in steps:
+            opt.zero_grad()
+            model(_global_batch(step, rank, world)).backward()
+            opt.step()
+        opt.wait_publish()
+
+    out = {}
+    if save:
+        train(range(SPLIT))
+        msd, osd = get_state_dict(model, opt, options=opts)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        full = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        out["full_momentum"] = {
+            n: s["momentum_buffer"].clone() for n, s in full.get("state", {}).items() if "proj" in n
+        }
+    else:
+        msd, osd = get_state_dict(model, opt, options=opts)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    out["momentum"] = _momenta(model, opt)
+    train(range(SPLIT, STEPS))
+    out["params"] = full_params(model, cast=False)
+    return out
+
+
+@pytest.mark.parametrize(
+    "load,flatten,teams",
+    [((4, False), False, None), ((4, False), True, None), ((2, False), False, None),
+     ((4, True), True, None), ((4, True), False, TEAMS)],
+)  # fmt: skip
+def test_get_state_dict_and_dcp_resume(tmp_path, load, flatten, teams):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_resume, 4, False, path, True, flatten, teams)
+    ref = saved[0]
+    for n, m in ref["full_momentum"].items():  # rank 0's full optimizer dict: the momentum
+        assert torch.equal(m, ref["momentum"][n]), n
+    assert all(r["full_momentum"] == {} for r in saved[1:])  # cpu_offload: rank 0 only
+    exact = load == (4, False)
+    for got in run_ranks(_resume, load[0], load[1], path, False, flatten, teams):
+        for what in ("momentum", "params"):
+            for n, want in ref[what].items():
+                if exact:
+                    assert torch.equal(got[what][n], want), (what, n)
+                else:
+                    assert _rel(got[what][n], want) < 1e-5, (what, n)
+
+
+def _per_rank(rank, world, path):
+    """optimizer.state_dict() per rank: no communication, back bit-exactly; another world's
+    is refused with the way to load elsewhere."""
+    model = _model(world, False)
+    opt = muon_fp32(model)
+    model(batch("mlp", 0, rank)).backward()
+    opt.step()
+    torch.save(opt.state_dict(), f"{path}.{world}.{rank}")
+    before = {k: {j: t.clone() for j, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+    opt.load_state_dict(torch.load(f"{path}.{world}.{rank}", weights_only=False))
+    after = opt.state_dict()["state"]
+    same = all(torch.equal(before[k][j], after[k][j]) for k in before for j in before[k])
+    dist.barrier()
+    other = f"{path}.{world}.{(rank + 1) % world}"  # another rank's: another plan's parts
+    try:
+        opt.load_state_dict(torch.load(other, weights_only=False))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return same, refused
+
+
+def test_optimizer_state_dict_per_rank_round_trips(tmp_path):
+    for same, refused in run_ranks(_per_rank, 2, str(tmp_path / "opt")):
+        assert same
+        assert "get_optimizer_state_dict" in refused

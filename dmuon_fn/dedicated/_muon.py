@@ -31,6 +31,7 @@ from ..optim._update import (
 from ..tp._layout import TensorExchange
 from . import _fsdp_adapter as fsdp
 from ._grad_guard import GradGuard, steps_here, updates_here
+from ._optim_state import held_state, whole_state
 from ._state import DedicatedState, Entry, dedicated_state
 
 
@@ -252,10 +253,21 @@ class Muon(torch.optim.Optimizer):
         for e in self.st.entries:  # a parameter (un)frozen since: compiled blocks see it now
             e.follow_requires_grad()
 
+    whole_state = False  # True while torch's distributed state-dict functions run
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch.optim.Optimizer's: this rank's state (0-size where it does not update).
+        Inside torch's `get_optimizer_state_dict` / `get_state_dict`: each dedicated
+        parameter's state whole, as a DTensor (collective; dedicated/_optim_state.py)."""
+        sd = super().state_dict()
+        return whole_state(self, sd) if self.whole_state else sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch.optim.Optimizer's, then step counts on the parameter's device and the rest in
-        `state_dtype` (the base class casts state to each parameter's dtype)."""
-        super().load_state_dict(state_dict)
+        """As torch.optim.Optimizer's, of this rank's `state_dict()` or of whole states (torch's
+        distributed state dict: each global owner takes its part), then step counts on the
+        parameter's device and the rest in `state_dtype` (the base class casts state to each
+        parameter's dtype)."""
+        super().load_state_dict(held_state(self, state_dict))
         dtype = self.config.state_dtype
         for p, state in self.state.items():
             for k, v in state.items():

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm._mesh import master_dtype
+from ..planning._slices import parse_piece
 from ._state import DedicatedState, Entry
 
 _FLAT = "_dmuon_flat_mesh"
@@ -86,12 +87,25 @@ def _exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) 
         work.wait()
 
 
-def whole_value(st: DedicatedState, es: list[Entry]) -> DTensor:
+def entries_of(st: DedicatedState, p: Tensor) -> list[Entry]:
+    """The entries of the dedicated parameter a module holds as `p`: its pieces in order, or
+    its one entry."""
+    e = st.entry(p)
+    if e.whole is None:
+        return [e]
+    by_name = {x.name: x for x in st.entries}
+    return [by_name[n] for n in st.plan.pieces(parse_piece(e.name).param)]
+
+
+def whole_value(st: DedicatedState, es: list[Entry], get=None, dtype=None) -> DTensor:
     """The parameter made of `es` (its pieces in order, or its one entry) as a DTensor,
-    Shard(0) over `flat_mesh`: each global owner sends every rank its rows."""
+    Shard(0) over `flat_mesh`: each global owner sends every rank its rows. `get(e)`: what
+    to send of a piece its global owner holds (default: the master), in `dtype` (default: the
+    master's)."""
     mesh, ranks = flat_mesh(st)
     W, me = len(ranks), ranks.index(dist.get_rank())
-    whole, dtype = es[0].full_shape, master_dtype(es[0].dtype)
+    whole, dtype = es[0].full_shape, dtype or master_dtype(es[0].dtype)
+    get = get or (lambda e: e.param.detach())
     start, stop = rows(whole[0], W, me)
     local = torch.empty((stop - start, *whole[1:]), dtype=dtype, device=es[0].device)
     sends, recvs, into = [], [], []
@@ -103,7 +117,7 @@ def whole_value(st: DedicatedState, es: list[Entry]) -> DTensor:
                 continue
             piece, shard = reg
             if owner == me:
-                part = e.param.detach()[piece].to(dtype)
+                part = get(e)[piece].to(dtype)
                 if r == me:
                     local[shard].copy_(part)
                 else:
@@ -120,9 +134,10 @@ def whole_value(st: DedicatedState, es: list[Entry]) -> DTensor:
     )
 
 
-def load_whole(st: DedicatedState, es: list[Entry], value: Tensor, key: str) -> None:
+def load_whole(st: DedicatedState, es: list[Entry], value: Tensor, key: str, put=None) -> None:
     """Write `value` (the whole parameter: a `whole_value`-laid DTensor, another DTensor, or
-    a plain tensor) into every local owner's copy of each of `es`."""
+    a plain tensor) into every local owner's copy of each of `es`; `put(e)`: the tensor to
+    write instead, on the global owner only (an optimizer state), None elsewhere."""
     whole = es[0].full_shape
     if tuple(value.shape) != tuple(whole):
         raise ValueError(
@@ -131,27 +146,28 @@ def load_whole(st: DedicatedState, es: list[Entry], value: Tensor, key: str) -> 
         )
     for e in es:
         e.wait_publish()
-    mesh, ranks = flat_mesh(st)
-    if isinstance(value, DTensor) and not _laid_out(value, mesh):
+    if isinstance(value, DTensor) and not _laid_out(value, flat_mesh(st)[0]):
         value = value.full_tensor()
+    target = put or (lambda e: e.param if st.is_local_owner(e) else None)
     with torch.no_grad():
         if not isinstance(value, DTensor):
             for e in es:
-                if st.is_local_owner(e):
+                if (t := target(e)) is not None:
                     d, a = (e.dim, e.offset) if e.whole is not None else (0, 0)
-                    part = value.detach().narrow(d, a, e.shape[d])
-                    e.param.copy_(part.to(e.param.device, e.param.dtype))
+                    t.copy_(value.detach().narrow(d, a, e.shape[d]).to(t.device, t.dtype))
             return
-        _scatter_back(st, es, value.to_local(), ranks)
+        replicas = (lambda e: (e.owner_replica,)) if put else (lambda e: range(st.replicate_size))
+        _scatter_back(st, es, value.to_local(), flat_mesh(st)[1], target, replicas)
 
 
-def _scatter_back(st: DedicatedState, es: list[Entry], local: Tensor, ranks: list[int]) -> None:
-    """Each rank sends its rows of the whole to every local owner of each piece."""
+def _scatter_back(st, es: list[Entry], local: Tensor, ranks: list[int], target, replicas) -> None:
+    """Each rank sends its rows of the whole to the owners of each piece in `replicas(e)`,
+    which write them into `target(e)`."""
     W, me = len(ranks), ranks.index(dist.get_rank())
     n = es[0].full_shape[0]
     sends, recvs, into = [], [], []
     for e in es:
-        for q in range(st.replicate_size):
+        for q in replicas(e):
             dst = _slot(st, e, q)
             for r in range(W):
                 reg = _regions(e, *rows(n, W, r))
@@ -159,16 +175,17 @@ def _scatter_back(st: DedicatedState, es: list[Entry], local: Tensor, ranks: lis
                     continue
                 piece, shard = reg
                 if r == me and dst == me:
-                    e.param[piece].copy_(local[shard])
+                    target(e)[piece].copy_(local[shard])
                 elif r == me:
                     sends.append((local[shard].contiguous(), ranks[dst]))
                 else:
-                    buf = torch.empty(e.param[piece].shape, dtype=local.dtype, device=local.device)
+                    shape = target(e)[piece].shape
+                    buf = torch.empty(shape, dtype=local.dtype, device=local.device)
                     recvs.append((buf, ranks[r]))
                     into.append((e, piece, buf))
     _exchange(sends, recvs)
     for e, piece, buf in into:
-        e.param[piece].copy_(buf)
+        target(e)[piece].copy_(buf)
 
 
 def _laid_out(value: DTensor, mesh: DeviceMesh) -> bool:
