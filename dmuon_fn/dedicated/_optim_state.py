@@ -15,7 +15,7 @@ import torch.distributed.checkpoint.state_dict as dsd
 from torch.distributed.tensor import DTensor
 
 from ..comm._mesh import master_dtype
-from ._state_dict import entries_of, flat_mesh, load_whole, whole_value
+from ._state_dict import entries_of, flat_mesh, load_whole, owner_slot, whole_value
 
 _PATCHED = "_dmuon_patched"
 
@@ -43,7 +43,7 @@ def whole_state(opt, sd: dict) -> dict:
                 continue
             if v.ndim == 0:
                 _, ranks = flat_mesh(st)
-                owner = ranks[es[0].owner_replica * st.shard_size + es[0].owner_shard]
+                owner = ranks[owner_slot(st, es[0])]
                 state[k] = v.clone()
                 dist.broadcast(state[k], src=owner)
             else:

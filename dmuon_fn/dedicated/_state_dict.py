@@ -60,14 +60,15 @@ def flat_mesh(st: DedicatedState) -> tuple[DeviceMesh, list[int]]:
     return mesh, ranks
 
 
-def _slot(st: DedicatedState, e: Entry, replica: int | None = None) -> int:
+def owner_slot(st: DedicatedState, e: Entry, replica: int | None = None) -> int:
+    """The slot of `e`'s global owner (`replica`: its local owner in that replica)."""
     return (e.owner_replica if replica is None else replica) * st.shard_size + e.owner_shard
 
 
 def _regions(e: Entry, start: int, stop: int):
     """(index into the piece, index into the shard of rows [start, stop)) of the part of `e`
     (a piece or a whole parameter) in those rows of its parameter, or None if they share none."""
-    d, a = (e.dim, e.offset) if e.whole is not None else (0, 0)
+    d, a = e.dim, e.offset  # (0, 0) for a whole parameter
     b = a + e.shape[d]
     if d == 0:
         lo, hi = max(a, start), min(b, stop)
@@ -110,7 +111,7 @@ def whole_value(st: DedicatedState, es: list[Entry], get=None, dtype=None) -> DT
     local = torch.empty((stop - start, *whole[1:]), dtype=dtype, device=es[0].device)
     sends, recvs, into = [], [], []
     for e in es:
-        owner = _slot(st, e)
+        owner = owner_slot(st, e)
         for r in range(W):
             reg = _regions(e, *rows(whole[0], W, r))
             if reg is None or me not in (owner, r):
@@ -153,7 +154,7 @@ def load_whole(st: DedicatedState, es: list[Entry], value: Tensor, key: str, put
         if not isinstance(value, DTensor):
             for e in es:
                 if (t := target(e)) is not None:
-                    d, a = (e.dim, e.offset) if e.whole is not None else (0, 0)
+                    d, a = e.dim, e.offset  # (0, 0) for a whole parameter
                     t.copy_(value.detach().narrow(d, a, e.shape[d]).to(t.device, t.dtype))
             return
         replicas = (lambda e: (e.owner_replica,)) if put else (lambda e: range(st.replicate_size))
@@ -168,7 +169,7 @@ def _scatter_back(st, es: list[Entry], local: Tensor, ranks: list[int], target, 
     sends, recvs, into = [], [], []
     for e in es:
         for q in replicas(e):
-            dst = _slot(st, e, q)
+            dst = owner_slot(st, e, q)
             for r in range(W):
                 reg = _regions(e, *rows(n, W, r))
                 if reg is None or me not in (dst, r):
