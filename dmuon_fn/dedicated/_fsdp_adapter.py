@@ -1,6 +1,8 @@
 """The one module that touches FSDP2 and DTensor internals. `install` (at `import dmuon_fn`)
 patches `fully_shard`: dedicated parameters join its `ignored_params`, a container without
-`forward` (torch 2.13 rejects it) is skipped with a one-time note (proofs/dedicated_notes.md)."""
+`forward` (torch 2.13 rejects it) is skipped with a one-time note (proofs/dedicated_notes.md);
+and `FSDPModule.set_gradient_divide_factor`: the dedicated parameters that module groups take
+the same factor (torchtitan sets 1.0 on every module and divides the loss itself)."""
 
 from __future__ import annotations
 
@@ -81,8 +83,44 @@ def managed_params(model: nn.Module) -> set[int]:
     return {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
 
 
+def grouped_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters `fully_shard(module)` groups, dedicated ones included (which it ignores):
+    its own and its descendants', less those under a nested `fully_shard`."""
+    out, todo = [], [module]
+    while todo:
+        m = todo.pop()
+        out += [p for p in m._parameters.values() if p is not None]
+        todo += [c for c in m.children() if not isinstance(c, FSDPModule)]
+    return out
+
+
+def _follow_divide_factor() -> None:
+    """Patch `FSDPModule.set_gradient_divide_factor`, once: after FSDP2's own, every dedicated
+    parameter the module groups lands its gradient as the sum divided by `factor` (an owner's
+    `Entry.grad_divide`; dedicated/_schedule.py), as FSDP2 divides the module's other ones."""
+    from ._state import LIVE
+
+    original = FSDPModule.set_gradient_divide_factor
+    if getattr(original, "_dmuon_patched", False):
+        return
+
+    @functools.wraps(original)
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        original(self, factor)
+        held = {id(p) for p in grouped_params(self)}
+        for st in list(LIVE):
+            for e in st.entries:
+                if id(e.param if e.holder is None else e.holder) in held:
+                    e.grad_divide = None if factor is None else float(factor)
+
+    set_gradient_divide_factor._dmuon_patched = True
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
 def install() -> None:
-    """Patch `fully_shard`'s function inside its `contract` wrapper, once (idempotent)."""
+    """Patch `fully_shard`'s function inside its `contract` wrapper, once (idempotent), and
+    `FSDPModule.set_gradient_divide_factor`."""
+    _follow_divide_factor()
     for cell in fully_shard.__closure__ or ():
         if callable(f := cell.cell_contents) and getattr(f, "__name__", "") == "fully_shard":
             break

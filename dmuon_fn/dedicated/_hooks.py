@@ -4,12 +4,18 @@ gradients; eager Z3 re-gathers what backward unpacks (proofs/dedicate.md, proofs
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+from torch.utils.checkpoint import (
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    checkpoint,
+)
 
 from custom_ops._handles import new_handle
 
@@ -178,12 +184,29 @@ def install(
     model.register_forward_hook(_eager(lambda: st.scheduler.end_forward()))
 
 
+# selective activation checkpointing's modes: the forward records ops, the recompute replays them
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
+@contextlib.contextmanager
+def _outside_sac():
+    """Selective activation checkpointing's dispatch modes off while a hook runs: what a hook
+    issues (gathers, waits, the attributes' values) follows the scheduler's state (what is
+    already prefetched), not the block's inputs, so a recompute would not replay the forward's
+    ops (SAC raises); their values enter the block as its inputs do."""
+    with contextlib.ExitStack() as stack:
+        while (modes := _get_current_dispatch_mode_stack()) and isinstance(modes[-1], _SAC_MODES):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
+
+
 def _eager(fn):
     """A module hook that calls `fn()`, except while torch.compile traces."""
 
     def hook(mod: nn.Module, *args):
         if not torch.compiler.is_compiling():
-            fn()
+            with _outside_sac():
+                fn()
 
     return hook
 
@@ -221,5 +244,18 @@ def _module_hooks(
         for pname, _ in slots:
             mod.__dict__.pop(pname)
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
+    module.register_forward_pre_hook(_outside_sac_hook(pre))
+    module.register_forward_hook(_outside_sac_hook(post))
+
+
+def _outside_sac_hook(hook):
+    """`hook`, run outside selective activation checkpointing's modes (eager; compiled, the
+    graph's own)."""
+
+    def run(*args):
+        if torch.compiler.is_compiling():
+            return hook(*args)
+        with _outside_sac():
+            return hook(*args)
+
+    return run

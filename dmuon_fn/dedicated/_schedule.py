@@ -1,6 +1,8 @@
 """Prefetched gathers and asynchronous reduces of a model's dedicated parameters: gradients sum
 per bucket in the reduce dtype and land in the global owners' `.grad` as the mean over the G·R
-data ranks (proofs/prefetch.md, proofs/dedicated_notes.md)."""
+data ranks, or the sum divided by the factor FSDP2's `set_gradient_divide_factor` gave the
+module that holds the parameter, as FSDP2 divides its own (proofs/prefetch.md,
+proofs/dedicated_notes.md)."""
 
 from __future__ import annotations
 
@@ -287,7 +289,7 @@ class Scheduler:
 
     def wait_reduces(self) -> None:
         """Land every issued reduce (HSDP: stage 2 issued here, in issue order) as the mean
-        (sum / (G·R)) in each global owner's `.grad`."""
+        (sum / (G·R)), or the sum / `Entry.grad_divide`, in each global owner's `.grad`."""
         self._flush()
         self._land(len(self.reduces))
 
@@ -310,7 +312,8 @@ class Scheduler:
                 if not e.param.requires_grad:
                     continue
                 if st.is_global_owner(e):
-                    grad = g.part(flat, i).to(e.param.dtype).div_(scale)
+                    div = scale if e.grad_divide is None else e.grad_divide
+                    grad = g.part(flat, i).to(e.param.dtype).div_(div)
                     with torch.no_grad():  # what autograd's AccumulateGrad does
                         if e.param.grad is None:
                             e.param.grad = grad

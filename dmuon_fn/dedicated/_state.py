@@ -63,6 +63,7 @@ class Entry:
     whole: torch.Size | None = None  # a piece: its parameter's shape
     holder: nn.Parameter | None = None  # a piece: the parameter its module holds on this rank
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight
+    grad_divide: float | None = None  # FSDP2's gradient divide factor of its module (None: mean)
     handles: list[Tensor] = field(default_factory=list)  # one per Slot; backward sets its .grad
 
     is_matrix = property(lambda self: len(self.shape) >= 2)
