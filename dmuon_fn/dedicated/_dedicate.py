@@ -204,9 +204,10 @@ def _follow_apply(module: nn.Module, st: DedicatedState, attrs: dict) -> None:
     parameter's entries)}) the entries' parameters through `module._apply` (`to_empty`, `to`),
     which may put new Parameter objects in their place (meta to a device always does): the
     entry takes the new one; a tied attribute whose entry another module already moved takes
-    that one, so ties stay tied."""
+    that one, so ties stay tied. A cast is refused before anything moves (see `_check_cast`)."""
 
     def _apply(fn, recurse=True):
+        _check_cast(fn, attrs)
         before = {k: module._parameters[k] for k in attrs}
         out = type(module)._apply(module, fn, recurse)  # FSDP2 swaps the class: look it up now
         for k, (held, es) in attrs.items():
@@ -224,6 +225,28 @@ def _follow_apply(module: nn.Module, st: DedicatedState, attrs: dict) -> None:
         return out
 
     module._apply = _apply
+
+
+def _check_cast(fn: Callable[[Tensor], Tensor], attrs: dict) -> None:
+    """Raise ValueError where `fn` (what `module._apply` maps over tensors: `to(dtype)`,
+    `half()`, a trainer's precision plugin) changes the dtype of the tensors a dedicated
+    parameter is gathered in or mastered in: the gathers keep the dtype of `dedicate_params`
+    and the master would be rounded. Decided from dtypes alone (a 0-size probe), so every rank
+    raises alike, placeholders or not."""
+    for held, _ in attrs.values():
+        for dtype in (held.dtype, master_dtype(held.dtype)):
+            cast = fn(torch.empty(0, dtype=dtype)).dtype
+            if cast != dtype:
+                raise ValueError(
+                    f"{held.name} is dedicated in {held.dtype} (its master in "
+                    f"{master_dtype(held.dtype)}), fixed at dedicate_params: a cast to {cast} "
+                    f"after it would keep its gathers in {held.dtype} and round the master. "
+                    "Cast the model before dedicate_params, or pass dedicate_params(..., "
+                    "param_dtype=) for lower-precision compute on fp32 masters (FSDP2: "
+                    "MixedPrecisionPolicy); a trainer's precision that casts the model after "
+                    "setup (Lightning's 'bf16-true', '16-true') is such a cast: use its "
+                    "'32-true' with param_dtype"
+                )
 
 
 def _check_meta(model: nn.Module) -> None:
