@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import dmuon_fn as dmuon
 from tests._dist import run_ranks
@@ -345,3 +346,98 @@ def test_optimizer_state_dict_per_rank_round_trips(tmp_path):
     for same, refused in run_ranks(_per_rank, 2, str(tmp_path / "opt")):
         assert same
         assert "get_optimizer_state_dict" in refused
+
+
+# ---- torch.optim conventions ------------------------------------------------------------------
+
+FROZEN = "layers.0.up_proj.weight"  # dedicated: frozen for steps 0-1, unfrozen from step 2
+
+
+def _conventions(rank, world, set_to_none):
+    """3 steps with a dedicated matrix frozen, then unfrozen; the step hooks' calls; the full
+    parameters after each step."""
+    model = _model(world, hsdp=False)
+    opt = muon_fp32(model)
+    frozen = model.get_parameter(FROZEN)
+    frozen.requires_grad_(False)
+    calls, seen = [], []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt)))
+    glob = register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global", o is opt)))
+    for step in range(3):
+        if step == 2:
+            frozen.requires_grad_(True)
+        opt.zero_grad(set_to_none=set_to_none)
+        model(batch("mlp", step, rank)).backward()
+        opt.step()
+        opt.wait_publish()
+        seen.append(_full(model))
+    glob.remove()
+    hooks = list(calls)  # (the refused step below runs the pre-hook too)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 0.125  # a scheduler's, saved: load_state_dict restores it
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.125 and opt.param_groups[0]["params"][0] is not None
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    group = opt.param_groups[0]
+    own = list(group["params"])
+    group["params"] = own[::-1]  # the model's own, mixed up (accelerate's FSDP2 prepare)
+    opt.zero_grad()
+    restored = all(a is b for a, b in zip(group["params"], own, strict=True))
+    group["params"] = [torch.zeros(1) for _ in own]
+    try:
+        opt.step()
+    except ValueError as err:
+        refused += "\n" + str(err)
+    return hooks, seen, refused, restored
+
+
+def test_zero_grad_kept_grads_hooks_and_param_groups():
+    """zero_grad(set_to_none=False) trains as set_to_none=True (bit for bit, a frozen matrix
+    unfrozen on the way included); the step pre/post hooks and torch's global hook run once per
+    step; add_param_group after construction says why not; a group's parameters replaced by
+    the model's own in another order are put back, by other tensors refused."""
+    for rank_got in zip(*(run_ranks(_conventions, 2, s) for s in (True, False)), strict=True):
+        (calls, kept, refused, restored), (calls_f, zeroed, _, _) = rank_got
+        assert calls == calls_f == [("pre", True), ("post", True), ("global", True)] * 3
+        for a, b in zip(kept, zeroed, strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+        assert torch.equal(kept[0][FROZEN], kept[1][FROZEN])  # frozen: not updated
+        assert not torch.equal(kept[1][FROZEN], kept[2][FROZEN])  # unfrozen: updated
+        assert "already holds every parameter" in refused
+        assert restored and "were replaced by tensors that are not" in refused
+
+
+def _clip_tp(rank, world):
+    from tests.test_tensor_parallel import _setup
+
+    model, _ = _setup((2, 2), z3=True, pure=False)
+    T = 2
+    model(_tp_tokens(0, rank // T, world // T)).backward()
+    params = list(model.parameters())
+    total = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+    after = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    as_float = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (total, after)]
+    return [t.item() for t in as_float]
+
+
+def _tp_tokens(step, data_rank, data_size):
+    from tests import _tp
+
+    return _tp.tokens(step, data_rank, data_size)
+
+
+def test_torch_clipping_on_a_tensor_parallel_mesh():
+    """(dp 2, tp 2): torch's clip_grad_norm_ gives the one-process norm on every rank, and the
+    norm after it is max_norm (every part, split or copied, scaled by the same coefficient)."""
+    from tests.test_tensor_parallel import _first_norm
+
+    want = _first_norm().item()
+    assert want > MAX_NORM
+    for total, after in run_ranks(_clip_tp, 4):
+        assert total == pytest.approx(want, rel=1e-6)
+        assert after == pytest.approx(MAX_NORM, rel=1e-6)

@@ -31,6 +31,7 @@ from ..optim._update import (
 from ..tp._layout import TensorExchange
 from . import _fsdp_adapter as fsdp
 from ._grad_guard import GradGuard, steps_here, updates_here
+from ._groups import ModelGroups, model_groups
 from ._optim_state import held_state, whole_state
 from ._state import DedicatedState, Entry, dedicated_state
 
@@ -41,7 +42,7 @@ def _exchanged(e: Entry | None) -> bool:
     return e is not None and e.tp is not None and not e.tp.local
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ModelGroups):
     """Param groups (hyperparameters from `Config.groups()`, LR schedulers welcome): "muon", the
     dedicated matrices, each updated by its global owner (tensor parallelism: by each tensor rank
     of it; HSDP: then published to the other replicas); "adamw", the rest (FSDP2 shards
@@ -135,7 +136,7 @@ class Muon(torch.optim.Optimizer):
                 "observe q and k with, and runs without gather_in_step (it changes the weights "
                 "after every update)"
             )
-        super().__init__(param_groups(model, st, self.config), {})
+        self.init_groups(model_groups(model, st, self.config))
         for group in self.param_groups:
             for p in group["params"]:
                 # 0-size where this rank does not update p; the step count on p's device, so a
@@ -299,33 +300,6 @@ class Muon(torch.optim.Optimizer):
             flight.wait()
         for e in self.st.entries:
             e.wait_publish()
-
-
-def param_groups(model: nn.Module, st: DedicatedState, config: Config) -> list[dict[str, Any]]:
-    """The param groups "muon" (dedicated matrices) and "adamw" (the rest), where not empty;
-    raises unless every gradient is synchronized (dedicated, or sharded by fully_shard)."""
-    muon, adamw = [], []
-    for p in model.parameters():
-        (muon if (e := st.entry(p)) is not None and e.is_matrix else adamw).append(p)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        synced = fsdp.managed_params(model) | set(st.by_param)  # ids
-        # a DTensor fully_shard does not manage is tensor-parallel: fine on a data mesh of one
-        alone = st.shard_size * st.replicate_size == 1
-        loose = [
-            n
-            for n, p in model.named_parameters()
-            if id(p) not in synced and not (alone and fsdp.is_dtensor(p))
-        ]
-        if loose:
-            raise ValueError(
-                f"{loose[:3]}{'...' if len(loose) > 3 else ''} are neither dedicated nor "
-                "sharded by fully_shard, so their gradients are never synchronized: call "
-                "fully_shard on the model (over the data mesh) after dedicate_params, or "
-                "dedicate_params(..., pure=True)"
-            )
-    hyper = config.groups()
-    kinds = (("muon", muon), ("adamw", adamw))
-    return [dict(params=ps, kind=kind, **hyper[kind]) for kind, ps in kinds if ps]
 
 
 def _heavy_first(st: DedicatedState, group: dict, p: Tensor) -> tuple[bool, int]:

@@ -81,6 +81,19 @@ def held_state(opt, sd: dict) -> dict:
     return sd
 
 
+def _muons(optimizers) -> list:
+    """The `Muon`s among `optimizers`, also where a trainer wraps one (accelerate's
+    AcceleratedOptimizer, Lightning's LightningOptimizer: `.optimizer`, `._optimizer`)."""
+    found = []
+    for o in optimizers:
+        for _ in range(4):  # (a wrapper of a wrapper)
+            if hasattr(type(o), "whole_state"):
+                found.append(o)
+                break
+            o = getattr(o, "optimizer", None) or getattr(o, "_optimizer", None)
+    return found
+
+
 def install() -> None:
     """While torch's distributed state-dict functions get or load an optimizer's state dict,
     `Muon`s (optimizers with `whole_state`) give and take whole states (idempotent)."""
@@ -91,7 +104,7 @@ def install() -> None:
 
         @functools.wraps(original)
         def patched(model, optimizers, *args, _original=original, **kwargs):
-            ours = [o for o in optimizers if hasattr(o, "whole_state")]
+            ours = _muons(optimizers)
             before = [o.whole_state for o in ours]
             for o in ours:
                 o.whole_state = True

@@ -2,12 +2,13 @@
 
 In `model.state_dict()` each dedicated parameter is a DTensor of its whole shape, Shard(0) over
 every data rank of the model in slot order (torch.chunk's rows per rank), its rows sent by the
-global owners of its pieces: DCP saves each value once, in even chunks, and reloads it on any
-world size; `get_model_state_dict(..., full_state_dict=True)` gathers the full value as it does
-FSDP2's. `load_state_dict` takes such a DTensor (its rows sent back to every local owner of each
-piece), another DTensor (its full value), or a plain tensor of the whole shape (each local owner
-copies its part; no communication). Both are collective: every rank of the model calls them
-together, as torch's distributed state-dict functions do."""
+global owners of its pieces (on a model of one rank: a plain tensor): DCP saves each value
+once, in even chunks, and reloads it on any world size; `get_model_state_dict(...,
+full_state_dict=True)` gathers the full value as it does FSDP2's. `load_state_dict` takes such
+a DTensor (its rows sent back to every local owner of each piece), another DTensor (its full
+value), or a plain tensor of the whole shape (each local owner copies its part; no
+communication). Both are collective: every rank of the model calls them together, as torch's
+distributed state-dict functions do."""
 
 from __future__ import annotations
 
@@ -98,11 +99,12 @@ def entries_of(st: DedicatedState, p: Tensor) -> list[Entry]:
     return [by_name[n] for n in st.plan.pieces(parse_piece(e.name).param)]
 
 
-def whole_value(st: DedicatedState, es: list[Entry], get=None, dtype=None) -> DTensor:
+def whole_value(st: DedicatedState, es: list[Entry], get=None, dtype=None) -> Tensor:
     """The parameter made of `es` (its pieces in order, or its one entry) as a DTensor,
     Shard(0) over `flat_mesh`: each global owner sends every rank its rows. `get(e)`: what
     to send of a piece its global owner holds (default: the master), in `dtype` (default: the
-    master's)."""
+    master's). On a model of one rank, the plain whole tensor (what safetensors and HF's
+    `save_pretrained` take)."""
     mesh, ranks = flat_mesh(st)
     W, me = len(ranks), ranks.index(dist.get_rank())
     whole, dtype = es[0].full_shape, dtype or master_dtype(es[0].dtype)
@@ -130,6 +132,8 @@ def whole_value(st: DedicatedState, es: list[Entry], get=None, dtype=None) -> DT
     _exchange(sends, recvs)
     for shard, buf in into:
         local[shard].copy_(buf)
+    if W == 1:
+        return local
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=whole, stride=_contiguous(whole)
     )

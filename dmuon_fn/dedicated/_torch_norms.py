@@ -79,9 +79,16 @@ def _total_norm(original, tensors, norm_type=2.0, error_if_nonfinite=False, fore
     ids = {id(g) for *_, g in found}
     rest = [t for t in tensors if id(t) not in ids]
     ded = _dedicated_part(found, p)
-    theirs = original(rest, p, False, foreach) if rest else None
-    other = ded.new_zeros(()) if theirs is None else _plain(theirs).to(ded.device, torch.float64)
-    total = torch.maximum(ded, other) if math.isinf(p) else (ded + other.pow(p)).pow(1.0 / p)
+    by_mesh: dict = {}  # torch stacks the norms of one mesh only (FSDP2's 1-D shards beside
+    for t in rest:  # FSDP2 + TP's 2-D ones raise there): its norm per mesh, combined here
+        by_mesh.setdefault(t.device_mesh if fsdp.is_dtensor(t) else None, []).append(t)
+    parts = [original(ts, p, False, foreach) for ts in by_mesh.values()]
+    theirs = next((t for t in parts if fsdp.is_dtensor(t)), parts[0] if parts else None)
+    total = ded
+    for part in parts:
+        other = _plain(part).to(ded.device, torch.float64)
+        total = torch.maximum(total, other) if math.isinf(p) else total + other.pow(p)
+    total = total if math.isinf(p) else total.pow(1.0 / p)
     dtype = theirs.dtype if theirs is not None else found[0][2].dtype
     total = total.to(dtype)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
