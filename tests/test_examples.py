@@ -156,3 +156,13 @@ def test_the_fallback_moe_model_computes_what_qwen3_moe_computes(monkeypatch):
         scale = want.logits.abs().max()
         assert (got.logits - want.logits).abs().max() <= 1e-5 * scale, qk_norm
         torch.testing.assert_close(got.aux_loss, want.aux_loss)
+
+
+@pytest.mark.slow
+def test_the_accelerate_example_says_where_its_fsdp_path_runs():
+    """examples/accelerate_fsdp2.py is a GPU check (accelerate's FSDP plugin is off on CPU):
+    here it says so and exits 2; tests/test_accelerate.py runs that path on CPU ranks."""
+    pytest.importorskip("accelerate")
+    proc = _torchrun("accelerate_fsdp2.py", torchrun=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "its FSDP plugin is on only for accelerator devices" in proc.stderr

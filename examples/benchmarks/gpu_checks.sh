@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, each step time-limited and logged, a summary at the end.
-#   bash examples/benchmarks/gpu_checks.sh ["env ns compile main kernels bench"] [LOGDIR]
+#   bash examples/benchmarks/gpu_checks.sh ["env ns compile main kernels bench trainers"] [LOGDIR]
 # env:     the machine, dmuon_fn's CUDA backend line (measures auto's triangle rule), which
 #          kernel packages import.
 # ns:      orthogonalize vs torch.optim.Muon with the kernels importable here (bench_gpu.py).
@@ -9,9 +9,11 @@
 # kernels: the CuTe DSL / quack triangle kernels against float64 references
 #          (tests/test_gpu_syrk.py) and their ahead-of-time builds (tests/test_cute_aot.py).
 # bench:   bench_gpu.py's SYRK and orthogonalize tables with errors.
+# trainers: accelerate's FSDP2 plugin as it runs on GPUs (examples/accelerate_fsdp2.py: train,
+#          save_state/load_state bit-exact, get_state_dict + save_pretrained logits).
 # Needs a CUDA device; nvidia-cutlass-dsl (and quack-kernels) for kernels and bench.
 set -u
-phases=" ${1:-env ns compile main kernels bench} "
+phases=" ${1:-env ns compile main kernels bench trainers} "
 logdir=${2:-gpu_logs}
 mkdir -p "$logdir"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -63,6 +65,10 @@ fi
 if [[ $phases == *" bench "* ]]; then
     step bench_gpu 120 $py examples/benchmarks/bench_gpu.py --sizes 1024 2048 4096 8192 \
         --ratios 1 4 --check
+fi
+if [[ $phases == *" trainers "* ]]; then
+    step accelerate_fsdp2 150 $py -m torch.distributed.run --nproc_per_node=1 \
+        examples/accelerate_fsdp2.py --out "$logdir/accelerate"
 fi
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
