@@ -150,7 +150,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "dedicated gradients summed instead of averaged over data ranks",
         "dmuon_fn/dedicated/_schedule.py",
-        "grad = g.part(flat, i).to(e.param.dtype).div_(scale)",
+        "grad = g.part(flat, i).to(e.param.dtype).div_(div)",
         "grad = g.part(flat, i).to(e.param.dtype)",
         (DIST2,),
     ),
@@ -416,5 +416,26 @@ FAULTS: tuple[Fault, ...] = (
         '                load_whole(st, es, v, f"optimizer state {k} of {es[0].names[0]}", put)',
         "                pass",
         (T + "test_torch_surface.py::test_get_state_dict_and_dcp_resume",),
+    ),
+    Fault(
+        "the optimizer's groups left as accelerate's FSDP2 prepare mixed them up",
+        "dmuon_fn/dedicated/_groups.py",
+        '            if g["params"] is now:',
+        "            if True:",
+        (T + "test_torch_surface.py::test_zero_grad_kept_grads_hooks_and_param_groups",),
+    ),
+    Fault(
+        "a loaded optimizer state dict's hyperparameters (a scheduler's lr) dropped",
+        "dmuon_fn/dedicated/_groups.py",
+        "        if groups is not None:\n            self.param_groups = groups",
+        "        if False:\n            self.param_groups = groups",
+        (T + "test_torch_surface.py::test_zero_grad_kept_grads_hooks_and_param_groups",),
+    ),
+    Fault(
+        "FSDP2's gradient divide factor ignored by the dedicated gradients",
+        "dmuon_fn/dedicated/_schedule.py",
+        "                    div = scale if e.grad_divide is None else e.grad_divide",
+        "                    div = scale",
+        (T + "test_fsdp_knobs.py",),
     ),
 )
