@@ -21,28 +21,17 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon_fn as dmuon
 from tests._models import muon_fp32
+from tests.test_meta_clients import SEQ, VOCAB, _build  # its small Llama config
 
-STEPS, BATCH, SEQ, VOCAB, SEED, MAX_NORM = 5, 4, 16, 64, 5, 0.5
+STEPS, BATCH, SEED, MAX_NORM = 5, 4, 5, 0.5
 
 
 def llama(world: int) -> torch.nn.Module:
     """transformers' LlamaForCausalLM (2 layers, width 32), the same seeded values on any world;
     the decoder layers' matrices dedicated, each layer and the rest on FSDP2 over the world
     (on one rank, plain parameters: nothing to shard)."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
     torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(cfg).float()
+    model = _build("llama")
     mesh = init_device_mesh("cpu", (world,))
     dmuon.dedicate_params(model, mesh, is_matrix)
     if world == 1:

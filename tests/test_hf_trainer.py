@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._models import HP, muon_fp32
+from tests._models import muon_fp32
 from tests._trainers import (
     BATCH,
     MAX_NORM,
@@ -42,7 +42,7 @@ class _Rows(torch.utils.data.Dataset):
     """Every step's global batch, row by row: Trainer's sequential sampler and accelerate's
     batch split give rank r of `w` the rows `ids(step, r, w)`."""
 
-    def __init__(self, world: int):
+    def __init__(self):
         self.rows = torch.cat([ids(s, 0, 1) for s in range(STEPS)])
         assert len(self.rows) == STEPS * BATCH
 
@@ -92,7 +92,7 @@ def _args(path: str, world: int, **extra) -> transformers.TrainingArguments:
         logging_steps=1,
         report_to="none",
         dataloader_num_workers=0,
-        seed=HP.get("seed", 0),
+        seed=0,
         **extra,
     )
 
@@ -102,14 +102,14 @@ def _trainer(rank: int, world: int, path: str) -> _Trainer:
     if world > 1:
         fsdp = {"version": 2, "auto_wrap_policy": "NO_WRAP"}  # sharded already, by layer
         args = _args(path, world, fsdp=True, fsdp_config=fsdp)
-        t = _Trainer(model=model, args=args, train_dataset=_Rows(world))
+        t = _Trainer(model=model, args=args, train_dataset=_Rows())
     else:
         opt = muon_fp32(model)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
         t = _Trainer(
             model=model,
             args=_args(path, world),
-            train_dataset=_Rows(world),
+            train_dataset=_Rows(),
             optimizers=(opt, sched),
         )
     t.losses = []

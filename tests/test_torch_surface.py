@@ -13,8 +13,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import dmuon_fn as dmuon
+from tests import _tp
 from tests._dist import run_ranks
 from tests._models import batch, full_params, is_proj, make, meshes, muon_fp32
+from tests.test_tensor_parallel import _first_norm, _setup
 from tests.test_training import _full, _rel
 
 MAX_NORM = 0.05
@@ -413,11 +415,9 @@ def test_zero_grad_kept_grads_hooks_and_param_groups():
 
 
 def _clip_tp(rank, world):
-    from tests.test_tensor_parallel import _setup
-
     model, _ = _setup((2, 2), z3=True, pure=False)
     T = 2
-    model(_tp_tokens(0, rank // T, world // T)).backward()
+    model(_tp.tokens(0, rank // T, world // T)).backward()
     params = list(model.parameters())
     total = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
     after = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -425,17 +425,9 @@ def _clip_tp(rank, world):
     return [t.item() for t in as_float]
 
 
-def _tp_tokens(step, data_rank, data_size):
-    from tests import _tp
-
-    return _tp.tokens(step, data_rank, data_size)
-
-
 def test_torch_clipping_on_a_tensor_parallel_mesh():
     """(dp 2, tp 2): torch's clip_grad_norm_ gives the one-process norm on every rank, and the
     norm after it is max_norm (every part, split or copied, scaled by the same coefficient)."""
-    from tests.test_tensor_parallel import _first_norm
-
     want = _first_norm().item()
     assert want > MAX_NORM
     for total, after in run_ranks(_clip_tp, 4):
