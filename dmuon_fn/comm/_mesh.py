@@ -78,22 +78,27 @@ def own_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return made[tuple(mine)]
 
 
-def team_groups(plan: Any, shard_rank: int, replica_rank: int) -> dict[str, dist.ProcessGroup]:
-    """{matrix: its team's group} for each team of `plan` (a `Plan`) this rank is a member of:
-    a new group over the members' global ranks (found by one all-gather of every rank's slot),
-    with the default group's backend. Collective over the world: every rank creates every
-    team's group, in the plan's order; {} without teams (no collective)."""
-    if not plan.teams:
+def team_groups(
+    plan: Any, shard_rank: int, replica_rank: int
+) -> dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]]:
+    """{key: (its group, the group rank holding each piece, in piece order)} for each team
+    (key: the matrix) and gathered group (key: its first piece) of `plan` (a `Plan`) this rank
+    is a member of: a new group over the members' global ranks (found by one all-gather of
+    every rank's slot), with the default group's backend. Collective over the world: every rank
+    creates every group, in the plan's order; {} without any (no collective)."""
+    teams = [(n, plan.pieces(n)) for n in plan.teams] + [(g[0], g) for g in plan.gathered]
+    if not teams:
         return {}
     rank_of = {
         s: r for r, s in enumerate(all_gather_json(replica_rank * plan.shard_size + shard_rank))
     }
     out = {}
-    for name in plan.teams:
-        ranks = sorted(rank_of[plan.slot(p)] for p in plan.pieces(name))
+    for name, pieces in teams:
+        held = [rank_of[plan.slot(p)] for p in pieces]
+        ranks = sorted(held)
         group = dist.new_group(ranks, backend=dist.get_backend())
         if dist.get_rank() in ranks:
-            out[name] = group
+            out[name] = (group, tuple(ranks.index(r) for r in held))
     return out
 
 

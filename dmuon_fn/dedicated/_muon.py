@@ -214,9 +214,9 @@ class Muon(ModelGroups):
         team = None if e is None else self.st.team(e)
         kw = {"adjust_lr": adjust, "ns": self.ns, "blocks": blocks, "team": team}
         new, s = param_update(kind, lp, g, pure, group, **kw)
-        if kind == "muon":
+        if kind == "muon" and (team is None or team.orthogonalizes):
             self.ns_calls += 1
-            self.ns_blocks += block_count(blocks, lp.shape)
+            self.ns_blocks += block_count(blocks, team.shape if team else lp.shape)
         return [(lp, new), *((state[k], v) for k, v in state_items(s).items())]
 
     def _exchange(self, items: list[tuple[dict, Tensor]], ok: Tensor | None) -> TensorExchange:

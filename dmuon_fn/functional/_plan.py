@@ -17,7 +17,7 @@ from ..ns._dispatch import agreed_gram, gram_rule
 from ..ns._team import Team
 from ..planning._check import check_plan_consistent
 from ..planning._partition import partition
-from ..planning._slices import parse_piece
+from ..planning._slices import make_team, parse_piece, team_key
 from ..planning._summary import PlanSummary, plan_summary
 from ..planning._view import RankView
 
@@ -35,7 +35,8 @@ class FnPlan:
     rep_group: str
     param_dtype: torch.dtype | None = None  # what is gathered and computed with
     reduce_dtype: torch.dtype | None = None  # what gradients are summed in (None: param_dtype)
-    teams: tuple[tuple[str, dist.ProcessGroup], ...] = ()  # (matrix, group) per team I am in
+    # (key, (group, the group rank of each piece)) per team or gathered group I am in
+    teams: tuple[tuple[str, tuple[dist.ProcessGroup, tuple[int, ...]]], ...] = ()
 
     partition = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)
@@ -64,8 +65,10 @@ class FnPlan:
 
     def team(self, name: str) -> Team | None:
         """What this rank's piece of `name` passes `orthogonalize_team`, if on a team with it."""
-        group = dict(self.teams).get(name)
-        return None if group is None else Team(group, self.shape(name), self.cut_dim(name) - 2)
+        held = self.view.held(name)
+        key = None if held is None else team_key(self.partition, held)
+        mine = dict(self.teams).get(key)
+        return None if mine is None else make_team(self.partition, key, *mine)
 
     def held_shape(self, name: str) -> tuple[int, ...]:
         """The shape of what this rank holds of parameter `name` ((0,) if nothing)."""

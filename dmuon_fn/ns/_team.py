@@ -7,6 +7,8 @@ slice; the normalization needs max|X| and ‖X‖_F, from one all-gather of two 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,11 +23,22 @@ from ._orthogonalize import NSConfig, iteration, restarts_of
 
 class Team(NamedTuple):
     """A team member's part in one matrix's Newton-Schulz: the team's group, the whole matrix's
-    shape, and the dim (-2: rows, -1: columns) the matrix is cut along."""
+    shape, and the dim (-2: rows, -1: columns) the matrix is cut along. A gathered team
+    (`pieces` given; proofs/partition.md §12): the whole parameter's shape, cut along dim 0
+    into pieces of `pieces` rows held by group ranks `order` (in piece order); the first
+    piece's holder orthogonalizes the whole (`orthogonalize_gathered`)."""
 
     group: dist.ProcessGroup
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     dim: int
+    pieces: tuple[int, ...] = ()
+    order: tuple[int, ...] = ()
+
+    @property
+    def orthogonalizes(self) -> bool:
+        """Whether this member runs Newton-Schulz: every member of a team (its part), the first
+        piece's holder of a gathered one (the whole)."""
+        return not self.pieces or dist.get_rank(self.group) == self.order[0]
 
 
 def orthogonalize_team(
@@ -83,6 +96,38 @@ def orthogonalize_team(
         poly = functools.partial(_shared_poly, group=group)
         X = standard(X, rows, impl, gram_of=gram_of, poly_of=poly)
     return (X.mT if dim == -2 else X).to(G.dtype)
+
+
+def orthogonalize_gathered(G: Tensor, team: Team, orth: Callable[[Tensor], Tensor]) -> Tensor:
+    """This member's piece of `orth(W)`, W (`team.shape`) cut along dim 0 into `team.pieces`
+    held by group ranks `team.order`, `G` this rank's piece: one all-to-all brings the pieces to
+    the first piece's holder, which alone runs `orth` on W, as one owner of W would; one
+    all-to-all takes each member its piece back. Every member calls it in the same order as
+    its other collectives on the group; traces under torch.compile."""
+    group, me = team.group, dist.get_rank(team.group)
+    row = math.prod(team.shape[1:])
+    sizes = [0] * len(team.order)  # elements per group rank
+    for rows, r in zip(team.pieces, team.order, strict=True):
+        sizes[r] = rows * row
+    if G.numel() != sizes[me] or tuple(G.shape[1:]) != tuple(team.shape[1:]):
+        raise ValueError(
+            f"orthogonalize_gathered: a piece {tuple(G.shape)} is not group rank {me}'s "
+            f"{sizes[me] // row} rows of {tuple(team.shape)}"
+        )
+    lead, none = team.order[0], [0] * len(sizes)
+    to_lead = [G.numel() if r == lead else 0 for r in range(len(sizes))]
+    here = funcol.all_to_all_single(
+        G.reshape(-1), sizes if me == lead else none, to_lead, group
+    )  # fmt: skip
+    if me == lead:
+        parts = here.split(sizes)  # by group rank
+        W = torch.cat([parts[r] for r in team.order]).view(team.shape)
+        mine = orth(W).reshape(-1).split([n * row for n in team.pieces])  # by piece
+        back = torch.cat([mine[team.order.index(r)] for r in range(len(sizes))])
+    else:
+        back = G.new_empty(0)
+    out = funcol.all_to_all_single(back, to_lead, sizes if me == lead else none, group)
+    return out.view(G.shape)
 
 
 def _normalize(X: Tensor, eps: float, group: dist.ProcessGroup) -> Tensor:

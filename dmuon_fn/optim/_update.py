@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..ns._blocks import Blocks, block_shapes, check, orthogonalize_blocks
 from ..ns._orthogonalize import NSConfig, orthogonalize_with
-from ..ns._team import Team, orthogonalize_team
+from ..ns._team import Team, orthogonalize_gathered, orthogonalize_team
 
 Scalar = float | Tensor
 
@@ -86,7 +86,9 @@ def muon_update(
     parameter is made of matrices (`Blocks` or its string, ns/_blocks.py): each block is
     orthogonalized on its own and scaled by its own shape; None: trailing dims flattened.
     team: `param` is this member's slice of a matrix a team orthogonalizes together
-    (`orthogonalize_team`; every member calls this in the same order), scaled by the whole's."""
+    (`orthogonalize_team`; every member calls this in the same order), scaled by the whole's;
+    of a gathered team (`Team.pieces`), this member's piece of the whole parameter, which the
+    first piece's holder orthogonalizes as one owner would (`orthogonalize_gathered`)."""
     if param.dim() < 2:
         raise ValueError(
             f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
@@ -96,22 +98,28 @@ def muon_update(
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
     u, new_state = muon_momentum(grad, state, momentum=momentum, nesterov=nesterov)
     hyper = {"lr": lr, "weight_decay": weight_decay, "adjust_lr": adjust_lr}
-    if team is not None:
+    if team is not None and not team.pieces:
         O = orthogonalize_team(u, team.group, team.shape, dim=team.dim, cfg=ns)
         return muon_apply(param, O, **hyper, shape=team.shape), new_state
-    spec = None if blocks is None else check(blocks, param.shape, "the parameter")
-    parts = [(1, (param.shape[0], param.numel() // param.shape[0]))]  # None: one flat matrix
-    parts = parts if spec is None else block_shapes(spec, param.shape)
-    if len(parts) > 1:  # blocks of several shapes: each scaled by its own
-        O = orthogonalize_blocks(u, spec, ns, scale=lambda m, n: lr_scale((m, n), adjust_lr))
-        return muon_apply(param, O, **hyper, scale=1.0), new_state
-    count, shape = parts[0]
-    if count > 1:
-        O = orthogonalize_blocks(u, spec, ns)
-    else:  # one matrix; with Nesterov u is a temporary that may hold the result
-        O = orthogonalize_with(u.reshape(shape), ns, overwrite=nesterov).reshape(param.shape)
-    new = muon_apply(param, O, **hyper, shape=shape)
-    return new, new_state
+    whole = param.shape if team is None else torch.Size(team.shape)
+    spec = None if blocks is None else check(blocks, whole, "the parameter")
+    parts = [(1, (whole[0], whole.numel() // whole[0]))]  # None: one flat matrix
+    parts = parts if spec is None else block_shapes(spec, whole)
+
+    def orth(W: Tensor) -> Tensor:  # the whole's O, as its one owner computes it
+        if len(parts) > 1:  # blocks of several shapes: each scaled by its own
+            return orthogonalize_blocks(
+                W, spec, ns, scale=lambda m, n: lr_scale((m, n), adjust_lr)
+            )  # fmt: skip
+        if parts[0][0] > 1:
+            return orthogonalize_blocks(W, spec, ns)
+        # one matrix; with Nesterov (or gathered) W is a temporary that may hold the result
+        O = orthogonalize_with(W.reshape(parts[0][1]), ns, overwrite=nesterov or team is not None)
+        return O.reshape(W.shape)
+
+    O = orth(u) if team is None else orthogonalize_gathered(u, team, orth)
+    scaled = {"scale": 1.0} if len(parts) > 1 else {"shape": parts[0][1]}
+    return muon_apply(param, O, **hyper, **scaled), new_state
 
 
 def muon_momentum(

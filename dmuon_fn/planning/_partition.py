@@ -19,6 +19,7 @@ from custom_ops._lpt import slot_loads as per_slot_sums
 
 from ..ns._blocks import Blocks, block_shapes, check, default_blocks
 from ..ns._cost import GRAM_MIN_ASPECT, GRAM_MIN_SHORT, ns_flops, ns_method, team_bytes, team_flops
+from ._gathered import gather_pieces
 from ._layers import layer_keys
 from ._memory import check_cap, choose, element_bytes, rebalance
 from ._slices import check_teams, heaviest, parse_piece, slice_rows, spread_columns
@@ -61,6 +62,9 @@ class Plan:
     # name; per plan name, a team member's collective bytes per step (proofs/team_ns.md claim 5)
     teams: tuple[str, ...] = ()
     team_bytes: tuple[float, ...] = ()
+    # gathered groups (§12): consecutive pieces of one parameter, cut along dim 0, whose first
+    # piece's holder orthogonalizes them all together, gathered; by their first piece's name
+    gathered: tuple[tuple[str, ...], ...] = ()
 
     @property
     def shard_size(self) -> int:
@@ -112,6 +116,10 @@ class Plan:
         side, orthogonalized together), else ()."""
         return self.pieces(name) if name in self.teams else ()
 
+    def gathered_group(self, name: str) -> tuple[str, ...]:
+        """The gathered group plan name `name` (a piece) is in, its first piece first, else ()."""
+        return next((g for g in self.gathered if name in g), ())
+
     def tensor_slot(self, name: str) -> int:
         """The tensor rank of `name`'s owner slot that orthogonalizes it (0 without TP; LOCAL:
         each tensor rank its own part, whole matrices)."""
@@ -139,6 +147,8 @@ class Plan:
             body["tensor"] = [list(x) for x in zip(self.layouts, self.tensor_slots, strict=True)]
         if self.teams:
             body["teams"] = list(self.teams)
+        if self.gathered:
+            body["gathered"] = [list(g) for g in self.gathered]
         if any(b is not None and b != Blocks() for b in self.blocks):
             body["blocks"] = [str(b) if b is not None else "" for b in self.blocks]
         return json.dumps(body, separators=(",", ":"), ensure_ascii=True)
@@ -207,6 +217,7 @@ def partition(
     balance_bytes: bool = True,
     max_bytes_per_rank: int | None = None,
     _per_share: int = 2,
+    _gather: bool = True,
 ) -> Plan:
     """One owner slot per parameter of `named_shapes` ({name: shape} or pairs), costs balanced.
 
@@ -231,7 +242,9 @@ def partition(
     teams: {name: k} puts a one-matrix parameter on a team of k (2 <= k <= shard columns),
         whatever it costs, or (k = 1) keeps it whole (with `slices`).
     balance_bytes: move units between slots to even out their resident bytes (masters and
-        optimizer states, planning/_memory.py), never above the schedule's busiest NS load.
+        optimizer states, planning/_memory.py), never above the schedule's busiest NS load;
+        then cut matrices still too heavy for their owner into gathered teams (`Plan.gathered`:
+        pieces on the lightest ranks, the Newton-Schulz where the schedule put it; §12).
     max_bytes_per_rank: refuse (ValueError, naming the smallest world size that fits) a plan
         whose busiest slot's resident bytes (`resident(plan)`) exceed this.
     """
@@ -259,6 +272,12 @@ def partition(
     tensor_size = _check_int("tensor_size", tensor_size, 1)
     whole = not (slices and tensor_size == 1 and layouts is None)  # every parameter whole
     check_teams(teams or {}, world_size // replicate_size, whole)
+    if _gather and balance_bytes and refine and not whole:  # then gathered teams, §12
+        plan = partition(
+            named_shapes, world_size, **options, slices=slices, teams=teams, _gather=False
+        )  # fmt: skip
+        keep = [n for n, k in (teams or {}).items() if k == 1]
+        return gather_pieces(plan, keep, flops_per_byte, bytes_per_elem)
     names, shapes = zip(*_pairs(named_shapes), strict=True)
     if layouts is not None and set(layouts) != set(names):
         raise ValueError("layouts must name exactly the parameters of named_shapes")
@@ -383,7 +402,7 @@ def partition(
     if teams or _per_share != 2:  # asked for, or one of the candidates below
         return plan
     unsliced = partition(named_shapes, world_size, **options, slices=False)
-    finer = partition(named_shapes, world_size, **options, _per_share=4)
+    finer = partition(named_shapes, world_size, **options, _per_share=4, _gather=False)
     return choose((plan, finer, unsliced), balance_bytes, heaviest)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from ..ns._blocks import Blocks
+from ..ns._team import Team
 from ._memory import element_bytes
 
 _PIECE = re.compile(r"(.+)\[((?::, )*)(0|[1-9][0-9]*):([1-9][0-9]*)\]")
@@ -56,6 +57,28 @@ def cuts(cost: float, mean: float, length: int, columns: int, per_share: int = 2
     k = most if cost >= most * mean / per_share else math.ceil(per_share * cost / mean)
     q, r = divmod(length, k)
     return [j * q + min(j, r) for j in range(k + 1)]
+
+
+def make_team(plan, key: str, group, order: tuple[int, ...]) -> Team:
+    """What a member of a `Plan`'s team (`key`: its matrix) or gathered group (`key`: its
+    first piece) passes `muon_update`: `group`, and for a gathered group `order` (the group
+    rank holding each piece, in piece order)."""
+    ps = plan.pieces(key) if key in plan.teams else plan.gathered_group(key)
+    cuts = [parse_piece(p) for p in ps]
+    whole = list(plan.shape(ps[0]))
+    whole[cuts[0].dim] = cuts[-1].stop - cuts[0].start
+    if key in plan.teams:
+        return Team(group, tuple(whole), cuts[0].dim - 2)
+    return Team(group, tuple(whole), 0, tuple(p.stop - p.start for p in cuts), order)
+
+
+def team_key(plan, piece: str) -> str | None:
+    """The key (`make_team`'s) of the team or gathered group plan name `piece` is in, if any."""
+    group = plan.gathered_group(piece)
+    if group:
+        return group[0]
+    m = _PIECE.fullmatch(piece)
+    return m.group(1) if m is not None and m.group(1) in plan.teams else None
 
 
 def team_cuts(shape: Sequence[int], k: int) -> tuple[int, list[int]]:

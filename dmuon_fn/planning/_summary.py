@@ -15,8 +15,9 @@ from ..ns._calibrate import race
 from ..ns._cost import ns_flops
 from ..ns._dispatch import iteration_dtype
 from ..ns._orthogonalize import _default_device
-from ._memory import resident
+from ._memory import MASTER_BYTES, resident
 from ._partition import Plan, _check, _check_int
+from ._slices import parse_piece, piece_name
 from ._tensor import tensor_shares
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
@@ -45,6 +46,8 @@ class SlotSummary:
     masters: int = 0
     states: int = 0
     copies: int = 0
+    # what its gathered groups' two all-to-alls send and receive per step (fp32; §12)
+    gather_bytes: float = 0.0
 
     @property
     def resident(self) -> int:
@@ -80,6 +83,8 @@ class PlanSummary:
     # the most bytes of gathered full values a rank holds at once: Z3 with prefetch 1 holds two
     # layers' dedicated parameters (fp32; half of it gathered in bf16), the largest two
     gathered_peak: int = 0
+    # (what it orthogonalizes, its pieces) per gathered group (proofs/partition.md §12)
+    gathered: tuple[tuple[str, int], ...] = ()
 
     @property
     def resident_imbalance(self) -> float:
@@ -175,6 +180,7 @@ class PlanSummary:
             "resident_imbalance": self.resident_imbalance,
             "slots": [dataclasses.asdict(r) for r in self.slots],
             "sliced": self.sliced,
+            "gathered": self.gathered,
         }
         return json.loads(json.dumps(d))  # every tuple a list
 
@@ -182,15 +188,17 @@ class PlanSummary:
         return "\n".join(_render(self))
 
 
-def _largest(plan: Plan, idx: list[int], one: list[float]) -> dict:
+def _largest(plan: Plan, idx: list[int], one: list[float], shown: dict | None = None) -> dict:
     """largest, largest_shape, largest_ns_flops of the matrices `idx` (None, None, 0.0 if none)
-    by `one`: the NS FLOPs one rank runs of each (all of it, or an expert rank's share)."""
+    by `one`: the NS FLOPs one rank runs of each (all of it, or an expert rank's share);
+    `shown`: a gathered group's (name, shape) by its first piece's index (`_gathered`)."""
     top = max(idx, key=lambda i: (one[i], -i), default=None)
     if top is None:
         return {"largest": None, "largest_shape": None, "largest_ns_flops": 0.0}
+    name, shape = (shown or {}).get(top) or (plan.names[top], plan.shapes[top])
     return {
-        "largest": plan.names[top],
-        "largest_shape": plan.shapes[top],
+        "largest": name,
+        "largest_shape": shape,
         "largest_ns_flops": one[top],
     }
 
@@ -226,26 +234,28 @@ def plan_summary(
     for i, s in enumerate(plan.slots):
         members[s].append(i)
     held = resident(plan)
+    shown, moved = _gathered(plan)
     rows = []
     for s, mine in enumerate(members):
-        mats = [i for i in mine if plan.matrix[i]]
+        mats = [i for i in mine if plan.matrix[i] and shown.get(i, ()) is not None]
         ns = math.fsum(flops[i] for i in mats)
         per_tensor = tuple(math.fsum(flops[i] * shares[i][t] for i in mats) for t in range(T))
         rows.append(
             SlotSummary(
                 slot=s,
                 owner=plan.label(s),
-                matrices=tuple(plan.names[i] for i in mats),
-                others=len(mine) - len(mats),
+                matrices=tuple((shown.get(i) or (plan.names[i],))[0] for i in mats),
+                others=sum(not plan.matrix[i] for i in mine),
                 ns_flops=ns,
                 share=ns / total if total else 0.0,
                 nbytes=sum(plan.nbytes[i] for i in mine),
-                **_largest(plan, mats, one),
+                **_largest(plan, mats, one, shown),
                 tensor_ns_flops=per_tensor,
                 team_bytes=math.fsum(comm[i] for i in mine),
                 masters=held.masters[s],
                 states=held.states[s],
                 copies=held.copies[s],
+                gather_bytes=math.fsum(moved.get(i, 0.0) for i in mine),
             )
         )
     per_layer: dict[str, int] = {}
@@ -260,7 +270,7 @@ def plan_summary(
         total_bytes=sum(plan.nbytes),
         busiest=loads.index(max(loads)),
         least=loads.index(min(loads)),
-        **_largest(plan, [i for i, m in enumerate(plan.matrix) if m], one),
+        **_largest(plan, [i for i, m in enumerate(plan.matrix) if m], one, shown),
         gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
         sliced=tuple((n, len(ps)) for n, ps in plan.sliced),
@@ -270,7 +280,33 @@ def plan_summary(
             for n, ps in ((n, plan.pieces(n)) for n in plan.teams)
         ),
         bandwidth=bandwidth,
+        gathered=tuple((shown[plan._index(g[0])][0], len(g)) for g in plan.gathered),
     )
+
+
+def _gathered(plan: Plan) -> tuple[dict, dict[int, float]]:
+    """Per plan index of a gathered piece: what it shows as (the first piece: the group's
+    (span, shape), `_span`; the others None: they orthogonalize nothing) and the bytes its
+    all-to-alls move per step (the first piece's holder: the others' pieces, both ways; another
+    piece's: its own)."""
+    shown: dict = {}
+    moved: dict[int, float] = {}
+    for g in plan.gathered:
+        idx = [plan._index(p) for p in g]
+        sizes = [MASTER_BYTES * math.prod(plan.shapes[i]) for i in idx]
+        shape = (sum(plan.shapes[i][0] for i in idx), *plan.shapes[idx[0]][1:])
+        shown[idx[0]], moved[idx[0]] = (_span(plan, g), shape), 2.0 * (sum(sizes) - sizes[0])
+        for i, b in zip(idx[1:], sizes[1:], strict=True):
+            shown[i], moved[i] = None, 2.0 * b
+    return shown, moved
+
+
+def _span(plan: Plan, group: tuple[str, ...]) -> str:
+    """A gathered group's name: its parameter's if it holds all of it, else `name[a:b]`."""
+    first, last = parse_piece(group[0]), parse_piece(group[-1])
+    if tuple(group) == plan.pieces(first.param):
+        return first.param
+    return piece_name(first.param, first.start, last.stop)
 
 
 def _whole(plan: Plan, name: str) -> tuple[int, ...]:
@@ -402,6 +438,14 @@ def _render(s: PlanSummary) -> list[str]:
     else:
         lines.append("Newton-Schulz per step: none (no matrix in the plan)")
     lines += _resident_lines(s)
+    if s.gathered:
+        moved = max(r.gather_bytes for r in s.slots)
+        div, unit = _scaled(moved, "B", binary=True)
+        lines.append(
+            f"gathered: {len(s.gathered)} matrices held in {sum(k for _, k in s.gathered)} "
+            f"pieces, each orthogonalized by its first piece's rank; up to {moved / div:.4g} "
+            f"{unit} per rank and step to and from it"
+        )
     bdiv, bunit = _scaled(max(r.nbytes for r in s.slots), "B", binary=True)
     who = "rank (s,r)" if R > 1 else "rank"
     w = max(len(who), len(str(S - 1)))

@@ -14,8 +14,10 @@ Newton-Schulz seconds per step
 (`plan_summary` at bench_summary's H100_FLOPS and BANDWIDTH), planned with
 `balance_bytes=False` (the schedule by seconds alone) and with the default (batches also cut by
 bytes, units moved or swapped off the byte-heaviest ranks within the busiest NS load, the
-candidate plans weighed by bytes too); the ratio of the NS seconds, after / before; planning
-seconds after.
+candidate plans weighed by bytes too, and matrices still too heavy for their owner held in
+gathered pieces, proofs/partition.md §12); the ratio of the NS seconds, after / before; the
+gathered groups after and the most bytes a rank moves for them per step (their two
+all-to-alls, fp32); planning seconds after.
 
     PYTHONPATH=. python examples/benchmarks/bench_plan_memory.py [--shapes DIR] [--worlds ...]
 """
@@ -34,16 +36,18 @@ import dmuon_fn
 from dmuon_fn.planning._memory import BALANCED, resident
 
 
-def row(named: dict, fsdp: int, world: int, balance: bool) -> tuple[float, float, float]:
-    """(bytes busiest / mean, busiest NS seconds, planning seconds) of `named` dedicated, the
-    FSDP2 share of `fsdp` elements on every rank."""
+def row(named: dict, fsdp: int, world: int, balance: bool) -> tuple:
+    """(bytes busiest / mean, busiest NS seconds, planning seconds, gathered groups, the most
+    bytes a rank's gathered all-to-alls move per step) of `named` dedicated, the FSDP2 share of
+    `fsdp` elements on every rank."""
     ew = [n for n, s in named.items() if len(s) < 2]
     t0 = time.perf_counter()
     plan = dmuon_fn.partition(named, world, elementwise=ew, balance_bytes=balance)
     took = time.perf_counter() - t0
     s = dmuon_fn.plan_summary(plan, gemm_flops=H100_FLOPS, bandwidth=BANDWIDTH)
     held = [b + 12 * fsdp / world for b in resident(plan).total]
-    return max(held) / (sum(held) / world), s.busiest_seconds, took
+    moved = max(r.gather_bytes for r in s.slots)
+    return max(held) / (sum(held) / world), s.busiest_seconds, took, len(plan.gathered), moved
 
 
 def main() -> None:
@@ -52,8 +56,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
     args = parser.parse_args()
     print("| model | Muon on | ranks | bytes busiest/mean before | after | NS ms before | after "
-          "| after / before | planning s |")  # fmt: skip
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
+          "| after / before | gathered groups | gathered MiB/step | planning s |")  # fmt: skip
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     met = worse = total = 0
     for path in sorted(args.shapes.glob("*.json")):
         named = {n: tuple(s) for n, s in json.loads(path.read_text())["params"]}
@@ -61,14 +65,14 @@ def main() -> None:
             mine = {n: s for n, s in named.items() if all_matrices or (len(s) > 1 and in_block(n))}
             fsdp = sum(math.prod(s) for n, s in named.items() if n not in mine)
             for world in args.worlds:
-                b0, s0, _ = row(mine, fsdp, world, False)
-                b1, s1, took = row(mine, fsdp, world, True)
+                b0, s0, *_ = row(mine, fsdp, world, False)
+                b1, s1, took, groups, moved = row(mine, fsdp, world, True)
                 total += 1
                 met += b1 <= BALANCED
                 worse += s1 > 1.05 * s0
                 print(f"| {path.stem} | {'all' if all_matrices else 'blocks'} | {world} | "
                       f"{b0:.3f} | {b1:.3f} | {1e3 * s0:.4g} | {1e3 * s1:.4g} | {s1 / s0:.3f} | "
-                      f"{took:.2f} |", flush=True)  # fmt: skip
+                      f"{groups} | {moved / 2**20:.4g} | {took:.2f} |", flush=True)  # fmt: skip
     print(f"\nbytes busiest/mean <= {BALANCED}: {met} of {total} rows; NS seconds more than 5% "
           f"worse: {worse} of {total}")  # fmt: skip
 

@@ -438,4 +438,18 @@ FAULTS: tuple[Fault, ...] = (
         "                    div = scale",
         (T + "test_fsdp_knobs.py",),
     ),
+    Fault(
+        "a gathered group's pieces joined in group-rank order, not piece order",
+        "dmuon_fn/ns/_team.py",
+        "        W = torch.cat([parts[r] for r in team.order]).view(team.shape)",
+        "        W = torch.cat(parts).view(team.shape)",
+        (T + "test_gathered.py",),
+    ),
+    Fault(
+        "gathered pieces placed without counting their HSDP copies",
+        "dmuon_fn/planning/_gathered.py",
+        "            if c != t:\n",
+        "            if False:\n",
+        (T + "test_gathered.py",),
+    ),
 )

@@ -1,0 +1,182 @@
+"""Gathered teams (proofs/partition.md §12): a matrix whose fp32 master and momentum leave its
+owner holding more than BALANCED times the mean slot's resident bytes, with nothing lighter to
+move (planning/_memory.py), is cut along dim 0 into pieces held by the lightest slots. Its
+Newton-Schulz stays where the schedule put it, on the holder of the first piece, which gathers
+the momentum's pieces, orthogonalizes the whole as one owner would and sends each piece back
+(`orthogonalize_gathered`): every slot's NS load is what it was; the step moves twice the
+matrix's fp32 bytes more, through that holder."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Collection
+
+from ._memory import BALANCED, MASTER_BYTES, element_bytes, resident
+from ._slices import parse_piece, piece_name
+
+_ROOM = 0.999  # of the bound a receiving slot may fill (rounding stays under it)
+# the least resident bytes a piece other than the first holds: below, the memory saved is
+# negligible beside a device's and the all-to-all's latency is not (a module constant, so that
+# a test of small models may lower it in its ranks)
+MIN_PIECE_BYTES = 1 << 20
+
+
+def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_elem: int):
+    """`plan` with units cut into gathered groups until the busiest slot's resident bytes are
+    at most BALANCED times the mean, or its heaviest unit cannot be cut (one row, a parameter in
+    `keep`, a team's slice, or no room for its pieces); `plan` itself when no cut is needed. A
+    unit is a whole matrix or a piece of a sliced batch, cut along dim 0: the first piece stays
+    on its slot with all of the unit's Newton-Schulz, as many rows as fit under the bound; the
+    others, of at least MIN_PIECE_BYTES each, go to the slots with the most room under it
+    (their HSDP copies' too), on distinct shard columns no other piece of the parameter is on,
+    none raising its whole load above the busiest slot's (`_place`)."""
+    W, G = plan.world_size, plan.shard_size
+    held = list(resident(plan).total)
+    bound = BALANCED * sum(held) / W
+    if G < 2 or max(held) <= bound:
+        return plan
+    loads, top = list(plan.slot_loads), max(plan.slot_loads)
+    parent = {p: n for n, ps in plan.sliced for p in ps}
+    columns: dict[str, set[int]] = defaultdict(set)  # a parameter -> its pieces' columns
+    layered: dict[str, set[int]] = defaultdict(set)  # a layer -> the columns of its matrices
+    on: dict[int, list[int]] = defaultdict(list)
+    for i, (n, s) in enumerate(zip(plan.names, plan.slots, strict=True)):
+        columns[parent.get(n, n)].add(s % G)
+        if plan.matrix[i]:
+            layered[plan.layers[i]].add(s % G)
+        team = n in parent and parent[n] in plan.teams
+        if plan.matrix[i] and plan.shapes[i][0] > 1 and parent.get(n, n) not in keep and not team:
+            on[s].append(i)
+    cut: dict[int, list[tuple[int, int, int]]] = {}  # unit index -> (start, stop, slot)s
+
+    def add(slot: int, elems: int, sign: int) -> None:
+        held[slot] += sign * element_bytes(True) * elems
+        for r in range(plan.replicate_size):
+            if r != slot // G:  # the HSDP copy on the same column of another replica
+                held[r * G + slot % G] += sign * MASTER_BYTES * elems
+
+    while True:
+        s = max(range(W), key=lambda t: (held[t], -t))
+        if held[s] <= bound or not on[s]:
+            break
+        i = max(on[s], key=lambda j: (math.prod(plan.shapes[j]), -j))
+        on[s].remove(i)
+        used = columns[parent.get(plan.names[i], plan.names[i])]
+        per_row = flops_per_byte * bytes_per_elem * math.prod(plan.shapes[i][1:])
+        spread = layered[plan.layers[i]]
+        pieces = _place(plan.shapes[i], s, held, bound, (used, spread, G), (loads, top, per_row))
+        if pieces is None:
+            continue
+        row = math.prod(plan.shapes[i][1:])
+        add(s, math.prod(plan.shapes[i]), -1)
+        for a, b, t in pieces:
+            add(t, (b - a) * row, 1)
+            used.add(t % G)
+            spread.add(t % G)
+            if t != s:
+                loads[t] += per_row * (b - a)
+        cut[i] = pieces
+    return _with_cuts(plan, cut, parent, flops_per_byte, bytes_per_elem) if cut else plan
+
+
+def _place(shape, s, held, bound, columns, load):
+    """[(start, stop, slot)] of a unit of `shape` on slot s cut along dim 0, or None when it
+    does not lower s: s keeps the rows that fit under `bound`, the rest fill the slots of s's
+    job with the most room (the HSDP copies its column's slots in other replicas would hold
+    counted), as few as that takes: `columns` (used, spread, G): never a
+    column in `used` (the parameter's), the columns not in `spread` (its layer's matrices')
+    first (§4: a layer's gathers from distinct ranks); `load`: (loads, top, cost per row),
+    the rows a slot's whole load allows."""
+    used, spread, G = columns
+    row = element_bytes(True) * math.prod(shape[1:])
+    least = max(1, math.ceil(MIN_PIECE_BYTES / row))  # rows
+    rest = held[s] - row * shape[0]  # s without the unit
+    mine = max(1, min(shape[0], math.floor((_ROOM * bound - rest) / row)))
+    loads, top, per_row = load
+    rooms = []
+    for t in range(len(held)):
+        if t % G in used:
+            continue
+        fit = math.floor((_ROOM * bound - held[t]) / row)
+        for c in range(t % G, len(held), G):  # the HSDP copies on its column (MASTER_BYTES)
+            if c != t:
+                fit = min(
+                    fit,
+                    math.floor(
+                        (_ROOM * bound - held[c]) / (row * MASTER_BYTES / element_bytes(True))
+                    ),
+                )
+        if per_row > 0:
+            fit = min(fit, math.floor((top - loads[t]) / per_row))
+        if fit >= least:
+            rooms.append((t % G in spread, -fit, t))
+    rooms.sort()
+    counts, left, taken = [], shape[0] - mine, set()
+    for _, fit, t in rooms:
+        if left < least:  # (none left, or too few for a piece: the first keeps them)
+            break
+        if t % G in taken:  # (another replica's slot of a column this cut already has)
+            continue
+        taken.add(t % G)
+        counts.append((min(left, -fit), t))
+        left -= counts[-1][0]
+    if not counts:
+        return None
+    counts.insert(0, (mine + left, s))  # not room enough: s keeps the rest (still lighter)
+    edges = list(itertools.accumulate((n for n, _ in counts), initial=0))
+    return [(a, b, t) for a, b, (_, t) in zip(edges, edges[1:], counts, strict=False)]
+
+
+def _with_cuts(plan, cut, parent, flops_per_byte: float, bytes_per_elem: int):
+    """`plan` with each cut unit replaced by its pieces (a batch piece's, among its parameter's
+    pieces in order), each cut a gathered group, its first piece first."""
+    cols = ("names", "shapes", "slots", "layers", "matrix", "costs", "nbytes", "ns_flops")
+    cols += tuple(c for c in ("blocks", "team_bytes") if getattr(plan, c))
+    rows = [
+        dict(zip(cols, r, strict=True)) for r in zip(*map(plan.__getattribute__, cols), strict=True)
+    ]
+    out, sliced, groups = [], dict(plan.sliced), list(plan.gathered)
+    for i, r in enumerate(rows):
+        if i not in cut:
+            out.append(r)
+            continue
+        name = r["names"]
+        param, base = parent.get(name, name), parse_piece(name).start if name in parent else 0
+        row = math.prod(r["shapes"][1:])
+        group = []
+        for j, (a, b, t) in enumerate(cut[i]):
+            group.append(piece_name(param, base + a, base + b))
+            n = (b - a) * row
+            out.append(
+                {
+                    **r,
+                    "names": group[-1],
+                    "shapes": (b - a, *r["shapes"][1:]),
+                    "slots": t,
+                    "costs": r["costs"] if j == 0 else flops_per_byte * bytes_per_elem * n,
+                    "nbytes": bytes_per_elem * n,
+                    "ns_flops": r["ns_flops"] if j == 0 else 0.0,
+                    **({"team_bytes": 0.0} if "team_bytes" in r else {}),
+                }
+            )
+        ps = sliced.get(param, (param,))
+        k = ps.index(name)
+        sliced[param] = (*ps[:k], *group, *ps[k + 1 :])
+        groups.append(tuple(group))
+    out.sort(key=lambda r: r["names"])
+    loads: list[list[float]] = [[] for _ in range(plan.world_size)]
+    sums = [0] * plan.world_size
+    for r in out:
+        loads[r["slots"]].append(r["costs"])
+        sums[r["slots"]] += r["nbytes"]
+    return dataclasses.replace(
+        plan,
+        **{c: tuple(r[c] for r in out) for c in cols},
+        slot_loads=tuple(math.fsum(x) for x in loads),
+        slot_bytes=tuple(sums),
+        sliced=tuple(sorted(sliced.items())),
+        gathered=tuple(sorted(groups)),
+    )
