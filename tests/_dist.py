@@ -184,3 +184,13 @@ def run_ranks(
         if errors:
             raise AssertionError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in errors))
         return results
+
+
+def data_meshes(world: int, hsdp: bool):
+    """(shard mesh, replicate mesh or None): 1-D over `world` ranks, or (2, world / 2) HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        return mesh["shard"], mesh["replicate"]
+    return init_device_mesh("cpu", (world,)), None

@@ -373,3 +373,11 @@ def resumed(model: nn.Module, opt, path: str, save: bool, loss_at, rank: int, wo
     train(range(split, steps))
     opt.wait_publish()
     return {"loaded": loaded, "momentum": momentum, "params": full_params(model, cast=False)}
+
+
+def close_after_steps(got: dict, want: dict, init: dict) -> None:
+    """Each trained parameter of `got` within 1e-5 of `want` relative to its norm, and within
+    1e-4 relative to how far training moved it from `init`."""
+    for n, w in want.items():
+        assert (got[n].float() - w).norm() / w.norm() < 1e-5, (n, got[n], w)
+        assert (got[n].float() - w).norm() / (w - init[n]).norm() < 1e-4, n

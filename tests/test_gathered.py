@@ -23,8 +23,8 @@ from dmuon_fn import NSConfig
 from dmuon_fn.planning import _gathered
 from dmuon_fn.planning._memory import BALANCED, resident
 from dmuon_fn.planning._slices import parse_piece
-from tests._dist import run_ranks
-from tests._models import blocks_reference, full_params, resumed
+from tests._dist import data_meshes, run_ranks
+from tests._models import blocks_reference, close_after_steps, full_params, resumed
 from tests.test_partition import gpt2
 
 D, BIG, OUT = 16, 96, 4
@@ -65,18 +65,12 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def _close(got: dict, want: dict) -> None:
-    init = _model().state_dict()
-    for n, w in want.items():
-        assert (got[n].float() - w).norm() / w.norm() < 1e-5, (n, got[n], w)
-        assert (got[n].float() - w).norm() / (w - init[n]).norm() < 1e-4, n
+    close_after_steps(got, want, _model().state_dict())
 
 
 def _meshes(world: int, hsdp: bool):
     _gathered.MIN_PIECE_BYTES = 0  # (in this rank: pieces of this small model are KiBs)
-    if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        return mesh["shard"], mesh["replicate"]
-    return init_device_mesh("cpu", (world,)), None
+    return data_meshes(world, hsdp)
 
 
 def _rows(rank: int, world: int):

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_fn as dmuon
 from dmuon_fn import NSConfig
 from dmuon_fn.ns._cost import team_bytes
-from tests._dist import run_ranks
-from tests._models import blocks_reference, full_params, resumed
+from tests._dist import data_meshes, run_ranks
+from tests._models import blocks_reference, close_after_steps, full_params, resumed
 
 D, H, OUT = 24, 64, 8
 STEPS, LR, WORLD_BATCH = 5, 0.05, 8
@@ -65,17 +65,11 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def _close(got: dict, want: dict) -> None:
-    init = _model().state_dict()
-    for n, w in want.items():
-        assert (got[n].float() - w).norm() / w.norm() < 1e-5, (n, got[n], w)
-        assert (got[n].float() - w).norm() / (w - init[n]).norm() < 1e-4, n
+    close_after_steps(got, want, _model().state_dict())
 
 
 def _meshes(world: int, hsdp: bool):
-    if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        return mesh["shard"], mesh["replicate"]
-    return init_device_mesh("cpu", (world,)), None
+    return data_meshes(world, hsdp)
 
 
 def _team_sizes(hsdp: bool) -> dict[str, int]:
