@@ -75,7 +75,8 @@ class PlanSummary:
     largest_ns_flops: float
     gemm_flops: float | None = None  # FLOP/s of one device's GEMM
     tensor_size: int = 1  # tensor-parallel ranks per slot: the job has world_size · this ranks
-    sliced: tuple[tuple[str, int], ...] = ()  # (parameter, its pieces) per sliced parameter
+    # (parameter, its pieces) per parameter the slicer cut (a gathered group: one piece, §12)
+    sliced: tuple[tuple[str, int], ...] = ()
     # (matrix, members, their NS FLOPs, one owner's) per team (proofs/team_ns.md); bytes/s of
     # a team's collectives, for seconds
     teams: tuple[tuple[str, int, float, float], ...] = ()
@@ -273,7 +274,7 @@ def plan_summary(
         **_largest(plan, [i for i, m in enumerate(plan.matrix) if m], one, shown),
         gemm_flops=gemm_flops,
         tensor_size=plan.tensor_size if plan.tensor_slots else 1,
-        sliced=tuple((n, len(ps)) for n, ps in plan.sliced),
+        sliced=_sliced(plan),
         gathered_peak=sum(sorted(per_layer.values())[-2:]),
         teams=tuple(
             (n, len(ps), math.fsum(flops[plan._index(p)] for p in ps), ns_flops(_whole(plan, n)))
@@ -299,6 +300,17 @@ def _gathered(plan: Plan) -> tuple[dict, dict[int, float]]:
         for i, b in zip(idx[1:], sizes[1:], strict=True):
             shown[i], moved[i] = None, 2.0 * b
     return shown, moved
+
+
+def _sliced(plan: Plan) -> tuple[tuple[str, int], ...]:
+    """(parameter, its pieces) per parameter the slicer cut: a gathered group counts as the
+    one unit it was cut from (a whole matrix cut only by §12 is not listed)."""
+    extra: dict[str, int] = {}
+    for g in plan.gathered:
+        p = parse_piece(g[0]).param
+        extra[p] = extra.get(p, 0) + len(g) - 1
+    counts = ((n, len(ps) - extra.get(n, 0)) for n, ps in plan.sliced)
+    return tuple((n, k) for n, k in counts if k > 1)
 
 
 def _span(plan: Plan, group: tuple[str, ...]) -> str:
