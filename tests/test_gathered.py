@@ -78,10 +78,12 @@ def _rows(rank: int, world: int):
     return slice(rank * per, (rank + 1) * per)
 
 
-def _object(rank: int, world: int, hsdp: bool, z3: bool) -> dict:
+def _object(rank: int, world: int, hsdp: bool, z3: bool, teams: dict) -> dict:
     shard, rep = _meshes(world, hsdp)
     model = _model()
-    dmuon.dedicate_params(model, shard, replicate_mesh=rep, pure=True, reshard_after_forward=z3)
+    dmuon.dedicate_params(
+        model, shard, replicate_mesh=rep, pure=True, reshard_after_forward=z3, teams=teams
+    )  # fmt: skip
     plan = model._dmuon_state.plan
     opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
     for step in range(STEPS):
@@ -95,13 +97,24 @@ def _object(rank: int, world: int, hsdp: bool, z3: bool) -> dict:
             "params": full_params(model, cast=False), "resident": held}  # fmt: skip
 
 
+def _team_slices_gathered(plan_gathered, teams) -> bool:
+    """Whether a member of a team in `teams` holds its slice as a gathered group."""
+    return any(parse_piece(g[0]).param in teams for g in plan_gathered)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("hsdp", "z3"), [(False, False), (False, True), (True, True)])
-def test_object_api_steps_gathered_groups_like_one_process(hsdp, z3):
+@pytest.mark.parametrize(
+    ("hsdp", "z3", "teams"),
+    [(False, False, {}), (False, True, {}), (True, True, {}), (False, True, {BIG_W: 2})],
+)
+def test_object_api_steps_gathered_groups_like_one_process(hsdp, z3, teams):
+    """With a team of 2 on the big matrix, each member's slice (1.3x a rank's mean bytes) is
+    itself gathered: its holder runs the team's Newton-Schulz on the gathered slice."""
     want = reference()
-    results = run_ranks(_object, 4, hsdp, z3)
+    results = run_ranks(_object, 4, hsdp, z3, teams)
     groups = results[0]["gathered"]
     assert BIG_W in {parse_piece(g[0]).param for g in groups} and min(map(len, groups)) >= 2
+    assert _team_slices_gathered(groups, teams) == bool(teams)
     before = dmuon.partition(
         {n: tuple(p.shape) for n, p in _model().named_parameters()}, 4,
         replicate_size=2 if hsdp else 1, balance_bytes=False,
@@ -109,16 +122,18 @@ def test_object_api_steps_gathered_groups_like_one_process(hsdp, z3):
     assert results[0]["resident"] < resident(before).imbalance
     for r in results:
         _close(r["params"], want)
-    # Newton-Schulz runs once per matrix and step in the job: the group's on one rank
-    assert results[0]["teams"] == () and sum(r["ns"] for r in results) == STEPS * 5
+    # Newton-Schulz runs once per matrix and step in the job (a team's: once per member): the
+    # group's on one rank
+    assert results[0]["teams"] == tuple(teams)
+    assert sum(r["ns"] for r in results) == STEPS * (4 + teams.get(BIG_W, 1))
 
 
-def _functional(rank: int, world: int, hsdp: bool) -> dict:
+def _functional(rank: int, world: int, hsdp: bool, teams: dict) -> dict:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     shard, rep = _meshes(world, hsdp)
     model = _model()
-    fp = dmuon.plan(model, shard, replicate_mesh=rep)
+    fp = dmuon.plan(model, shard, replicate_mesh=rep, teams=teams)
     cfg = dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
     state = dmuon.init(model, fp, cfg)
 
@@ -141,11 +156,12 @@ def _functional(rank: int, world: int, hsdp: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hsdp", [False, True])
-def test_a_compiled_functional_step_runs_gathered_groups_like_one_process(hsdp):
+@pytest.mark.parametrize(("hsdp", "teams"), [(False, {}), (True, {}), (False, {BIG_W: 2})])
+def test_a_compiled_functional_step_runs_gathered_groups_like_one_process(hsdp, teams):
     want = reference()
-    for r in run_ranks(_functional, 4, hsdp):
+    for r in run_ranks(_functional, 4, hsdp, teams):
         assert r["gathered"] and r["frames"] == 1
+        assert _team_slices_gathered(r["gathered"], teams) == bool(teams)
         _close(r["params"], want)
 
 
@@ -224,7 +240,8 @@ def _claims(shapes: dict, world: int, replicas: int) -> None:
     for group in plan.gathered:
         cuts = [parse_piece(p) for p in group]
         slots = [plan.slot(p) for p in group]
-        assert [c.dim for c in cuts] == [0] * len(cuts)
+        team = cuts[0].param in plan.teams  # a member's slice: cut as its team's are
+        assert {c.dim for c in cuts} == {plan.cut_dim(cuts[0].param) if team else 0}
         assert all(a.stop == b.start for a, b in itertools.pairwise(cuts))
         assert len({s % G for s in slots}) == len(slots)  # distinct shard columns
         assert all(plan.ns_flops[plan._index(p)] == 0 for p in group[1:])
@@ -234,6 +251,10 @@ def _claims(shapes: dict, world: int, replicas: int) -> None:
         bound = BALANCED * sum(held) / world
         for t in slots[1:]:
             assert all(held[c] <= bound for c in range(t % G, world, G)), (group, t)
+    for name in before.teams:  # a team's members stay, each one slice's first piece
+        assert [plan.slot(p) for p in plan.team(name)] == [
+            before.slot(p) for p in before.team(name)
+        ]
     for name, pieces in plan.sliced:  # a parameter's pieces: distinct columns, covering it
         assert len({plan.slot(p) % G for p in pieces}) == len(pieces), name
         cuts = [parse_piece(p) for p in pieces]

@@ -43,8 +43,10 @@ def test_teams_only_past_a_share_in_one_replica_and_lighter(model, world, reps):
         ps = plan.pieces(n)
         dims = {parse_piece(p).dim for p in ps}
         assert dims == {0 if named[n][0] >= named[n][1] else 1}  # the long side
-        coords = [plan.coords(plan.slot(p)) for p in ps]
-        assert len({c for c, _ in coords}) == len(ps) >= 2 and len({r for _, r in coords}) == 1
+        coords = [plan.coords(plan.slot(p)) for p in ps]  # a member's gathered pieces too
+        assert len({c for c, _ in coords}) == len(ps)
+        members = [plan.coords(plan.slot(p)) for p in plan.team(n)]
+        assert len(members) >= 2 and len({r for _, r in members}) == 1
         assert len(ps) <= G
     assert max(plan.slot_loads) <= max(whole.slot_loads)
     if plan.teams:

@@ -86,7 +86,7 @@ def team_groups(
     is a member of: a new group over the members' global ranks (found by one all-gather of
     every rank's slot), with the default group's backend. Collective over the world: every rank
     creates every group, in the plan's order; {} without any (no collective)."""
-    teams = [(n, plan.pieces(n)) for n in plan.teams] + [(g[0], g) for g in plan.gathered]
+    teams = [(n, plan.team(n)) for n in plan.teams] + [(g[0], g) for g in plan.gathered]
     if not teams:
         return {}
     rank_of = {

@@ -24,7 +24,7 @@ from custom_ops._collectives import broadcast_start as issue_broadcast
 from ..comm._counters import blocked
 from ..comm._mesh import phase
 from ..ns._team import Team
-from ..planning._slices import make_team, team_key
+from ..planning._slices import make_team
 from ..planning._view import RankView
 from ..tp._layout import TensorLayout, TensorMesh
 
@@ -140,14 +140,14 @@ class DedicatedState:
     entries: list[Entry] = field(default_factory=list)
     by_param: dict[int, Entry] = field(default_factory=dict)  # id(param) -> its entry
     scheduler: Any = None  # dedicated/_schedule.Scheduler, set by dedicated/_hooks.install
-    # matrix -> my team's (group, the group rank of each piece)
+    # key -> (group, the group rank of each piece) of my teams (key: the matrix) and gathered
+    # groups (key: the first piece)
     teams: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = field(default_factory=dict)
     unsynced: bool = False  # copies of held values not made equal yet (`sync_copies`)
 
     def team(self, e: Entry) -> Team | None:
-        """What `e` (a piece of a team this rank is in) passes `orthogonalize_team`, else None."""
-        key = team_key(self.plan, e.name)
-        return None if key not in self.teams else make_team(self.plan, key, *self.teams[key])
+        """What `e` passes `muon_update` as its team (a team's or gathered group's), else None."""
+        return make_team(self.plan, e.name, self.teams)
 
     plan = property(lambda self: self.view.plan)
     shard_size = property(lambda self: self.view.plan.shard_size)

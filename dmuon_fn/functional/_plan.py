@@ -17,7 +17,7 @@ from ..ns._dispatch import agreed_gram, gram_rule
 from ..ns._team import Team
 from ..planning._check import check_plan_consistent
 from ..planning._partition import partition
-from ..planning._slices import make_team, parse_piece, team_key
+from ..planning._slices import make_team, parse_piece
 from ..planning._summary import PlanSummary, plan_summary
 from ..planning._view import RankView
 
@@ -64,11 +64,10 @@ class FnPlan:
         return out
 
     def team(self, name: str) -> Team | None:
-        """What this rank's piece of `name` passes `orthogonalize_team`, if on a team with it."""
+        """What this rank's piece of `name` passes `muon_update` as its team (a team's or a
+        gathered group's), if it is in one."""
         held = self.view.held(name)
-        key = None if held is None else team_key(self.partition, held)
-        mine = dict(self.teams).get(key)
-        return None if mine is None else make_team(self.partition, key, *mine)
+        return None if held is None else make_team(self.partition, held, dict(self.teams))
 
     def held_shape(self, name: str) -> tuple[int, ...]:
         """The shape of what this rank holds of parameter `name` ((0,) if nothing)."""

@@ -24,15 +24,19 @@ from ._orthogonalize import NSConfig, iteration, restarts_of
 class Team(NamedTuple):
     """A team member's part in one matrix's Newton-Schulz: the team's group, the whole matrix's
     shape, and the dim (-2: rows, -1: columns) the matrix is cut along. A gathered team
-    (`pieces` given; proofs/partition.md §12): the whole parameter's shape, cut along dim 0
-    into pieces of `pieces` rows held by group ranks `order` (in piece order); the first
-    piece's holder orthogonalizes the whole (`orthogonalize_gathered`)."""
+    (`pieces` given; proofs/partition.md §12): the whole unit's shape (a parameter, a piece of
+    a batch or a team member's slice), cut along dim `dim` (0 or 1) into pieces of `pieces`
+    indices held by group ranks `order` (in piece order); the first piece's holder
+    orthogonalizes the whole (`orthogonalize_gathered`); `inner`: the team the unit is a
+    member's slice of (its group None on the other pieces' holders, which only learn the
+    matrix's shape, for the update's scale)."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     shape: tuple[int, ...]
     dim: int
     pieces: tuple[int, ...] = ()
     order: tuple[int, ...] = ()
+    inner: Team | None = None
 
     @property
     def orthogonalizes(self) -> bool:
@@ -99,21 +103,27 @@ def orthogonalize_team(
 
 
 def orthogonalize_gathered(G: Tensor, team: Team, orth: Callable[[Tensor], Tensor]) -> Tensor:
-    """This member's piece of `orth(W)`, W (`team.shape`) cut along dim 0 into `team.pieces`
-    held by group ranks `team.order`, `G` this rank's piece: one all-to-all brings the pieces to
-    the first piece's holder, which alone runs `orth` on W, as one owner of W would; one
-    all-to-all takes each member its piece back. Every member calls it in the same order as
-    its other collectives on the group; traces under torch.compile."""
-    group, me = team.group, dist.get_rank(team.group)
-    row = math.prod(team.shape[1:])
+    """This member's piece of `orth(W)`, W (`team.shape`) cut along dim `team.dim` into
+    `team.pieces` held by group ranks `team.order`, `G` this rank's piece: one all-to-all brings
+    the pieces to the first piece's holder, which alone runs `orth` on W, as one owner of W
+    would (or as its team's member, `team.inner`); one all-to-all takes each member its piece
+    back. Every member calls it in the same order as its other collectives on the group (and the
+    first piece's holder `orth`'s); traces under torch.compile."""
+    group, me, d = team.group, dist.get_rank(team.group), team.dim
+    row = math.prod(team.shape) // team.shape[d]  # elements per index of the cut dim
     sizes = [0] * len(team.order)  # elements per group rank
-    for rows, r in zip(team.pieces, team.order, strict=True):
-        sizes[r] = rows * row
-    if G.numel() != sizes[me] or tuple(G.shape[1:]) != tuple(team.shape[1:]):
+    for n, r in zip(team.pieces, team.order, strict=True):
+        sizes[r] = n * row
+    want = (*team.shape[:d], sizes[me] // row, *team.shape[d + 1 :])
+    if tuple(G.shape) != want:
         raise ValueError(
             f"orthogonalize_gathered: a piece {tuple(G.shape)} is not group rank {me}'s "
-            f"{sizes[me] // row} rows of {tuple(team.shape)}"
+            f"{sizes[me] // row} indices of dim {d} of {tuple(team.shape)}"
         )
+
+    def shaped(flat: Tensor, n: int) -> Tensor:  # a piece of n indices, from its flat values
+        return flat.view(*team.shape[:d], n, *team.shape[d + 1 :])
+
     lead, none = team.order[0], [0] * len(sizes)
     to_lead = [G.numel() if r == lead else 0 for r in range(len(sizes))]
     here = funcol.all_to_all_single(
@@ -121,9 +131,10 @@ def orthogonalize_gathered(G: Tensor, team: Team, orth: Callable[[Tensor], Tenso
     )  # fmt: skip
     if me == lead:
         parts = here.split(sizes)  # by group rank
-        W = torch.cat([parts[r] for r in team.order]).view(team.shape)
-        mine = orth(W).reshape(-1).split([n * row for n in team.pieces])  # by piece
-        back = torch.cat([mine[team.order.index(r)] for r in range(len(sizes))])
+        pieces = zip(team.pieces, team.order, strict=True)
+        W = torch.cat([shaped(parts[r], n) for n, r in pieces], dim=d)
+        mine = orth(W).split(list(team.pieces), dim=d)  # by piece
+        back = torch.cat([mine[team.order.index(r)].reshape(-1) for r in range(len(sizes))])
     else:
         back = G.new_empty(0)
     out = funcol.all_to_all_single(back, to_lead, sizes if me == lead else none, group)

@@ -87,8 +87,9 @@ def muon_update(
     orthogonalized on its own and scaled by its own shape; None: trailing dims flattened.
     team: `param` is this member's slice of a matrix a team orthogonalizes together
     (`orthogonalize_team`; every member calls this in the same order), scaled by the whole's;
-    of a gathered team (`Team.pieces`), this member's piece of the whole parameter, which the
-    first piece's holder orthogonalizes as one owner would (`orthogonalize_gathered`)."""
+    of a gathered team (`Team.pieces`), this member's piece of the whole unit, which the
+    first piece's holder orthogonalizes as one owner would (`orthogonalize_gathered`), or as
+    a member of the unit's team (`Team.inner`), scaled by the team's matrix."""
     if param.dim() < 2:
         raise ValueError(
             f"Muon updates matrices (2-D or more, trailing dims flattened); got a "
@@ -101,12 +102,15 @@ def muon_update(
     if team is not None and not team.pieces:
         O = orthogonalize_team(u, team.group, team.shape, dim=team.dim, cfg=ns)
         return muon_apply(param, O, **hyper, shape=team.shape), new_state
+    inner = None if team is None else team.inner
     whole = param.shape if team is None else torch.Size(team.shape)
     spec = None if blocks is None else check(blocks, whole, "the parameter")
     parts = [(1, (whole[0], whole.numel() // whole[0]))]  # None: one flat matrix
     parts = parts if spec is None else block_shapes(spec, whole)
 
-    def orth(W: Tensor) -> Tensor:  # the whole's O, as its one owner computes it
+    def orth(W: Tensor) -> Tensor:  # the whole's O, as its one owner (or team member) computes it
+        if inner is not None:
+            return orthogonalize_team(W, inner.group, inner.shape, dim=inner.dim, cfg=ns)
         if len(parts) > 1:  # blocks of several shapes: each scaled by its own
             return orthogonalize_blocks(
                 W, spec, ns, scale=lambda m, n: lr_scale((m, n), adjust_lr)
@@ -119,6 +123,7 @@ def muon_update(
 
     O = orth(u) if team is None else orthogonalize_gathered(u, team, orth)
     scaled = {"scale": 1.0} if len(parts) > 1 else {"shape": parts[0][1]}
+    scaled = scaled if inner is None else {"shape": inner.shape}
     return muon_apply(param, O, **hyper, **scaled), new_state
 
 

@@ -1,8 +1,9 @@
 """Gathered teams (proofs/partition.md §12): a matrix whose fp32 master and momentum leave its
 owner holding more than BALANCED times the mean slot's resident bytes, with nothing lighter to
-move (planning/_memory.py), is cut along dim 0 into pieces held by the lightest slots. Its
-Newton-Schulz stays where the schedule put it, on the holder of the first piece, which gathers
-the momentum's pieces, orthogonalizes the whole as one owner would and sends each piece back
+move (planning/_memory.py), is cut along dim 0 (a team member's slice: along its team's cut)
+into pieces held by the lightest slots. Its Newton-Schulz stays where the schedule put it, on
+the holder of the first piece, which gathers the momentum's pieces, orthogonalizes the whole as
+one owner would (a slice: as its team's member) and sends each piece back
 (`orthogonalize_gathered`): every slot's NS load is what it was; the step moves twice the
 matrix's fp32 bytes more, through that holder."""
 
@@ -26,9 +27,10 @@ MIN_PIECE_BYTES = 1 << 20
 
 def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_elem: int):
     """`plan` with units cut into gathered groups until the busiest slot's resident bytes are
-    at most BALANCED times the mean, or its heaviest unit cannot be cut (one row, a parameter in
-    `keep`, a team's slice, or no room for its pieces); `plan` itself when no cut is needed. A
-    unit is a whole matrix or a piece of a sliced batch, cut along dim 0: the first piece stays
+    at most BALANCED times the mean, or its heaviest unit cannot be cut (one index along its
+    cut, a parameter in `keep`, or no room for its pieces); `plan` itself when no cut is
+    needed. A unit is a whole matrix or a piece of a sliced batch, cut along dim 0, or a team
+    member's slice, cut along the dim its team's are: the first piece stays
     on its slot with all of the unit's Newton-Schulz, as many rows as fit under the bound; the
     others, of at least MIN_PIECE_BYTES each, go to the slots with the most room under it
     (their HSDP copies' too), on distinct shard columns no other piece of the parameter is on,
@@ -43,12 +45,14 @@ def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_
     columns: dict[str, set[int]] = defaultdict(set)  # a parameter -> its pieces' columns
     layered: dict[str, set[int]] = defaultdict(set)  # a layer -> the columns of its matrices
     on: dict[int, list[int]] = defaultdict(list)
+    dims = [0] * len(plan.names)  # the dim a unit is cut along: a team slice's, else 0
     for i, (n, s) in enumerate(zip(plan.names, plan.slots, strict=True)):
         columns[parent.get(n, n)].add(s % G)
         if plan.matrix[i]:
             layered[plan.layers[i]].add(s % G)
-        team = n in parent and parent[n] in plan.teams
-        if plan.matrix[i] and plan.shapes[i][0] > 1 and parent.get(n, n) not in keep and not team:
+        if n in parent and parent[n] in plan.teams:
+            dims[i] = parse_piece(n).dim
+        if plan.matrix[i] and plan.shapes[i][dims[i]] > 1 and parent.get(n, n) not in keep:
             on[s].append(i)
     cut: dict[int, list[tuple[int, int, int]]] = {}  # unit index -> (start, stop, slot)s
 
@@ -65,13 +69,14 @@ def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_
         i = max(on[s], key=lambda j: (math.prod(plan.shapes[j]), -j))
         on[s].remove(i)
         used = columns[parent.get(plan.names[i], plan.names[i])]
-        per_row = flops_per_byte * bytes_per_elem * math.prod(plan.shapes[i][1:])
+        length = plan.shapes[i][dims[i]]
+        row = math.prod(plan.shapes[i]) // length  # elements per index of the cut dim
+        per_row = flops_per_byte * bytes_per_elem * row
         spread = layered[plan.layers[i]]
-        pieces = _place(plan.shapes[i], s, held, bound, (used, spread, G), (loads, top, per_row))
+        pieces = _place((length, row), s, held, bound, (used, spread, G), (loads, top, per_row))
         if pieces is None:
             continue
-        row = math.prod(plan.shapes[i][1:])
-        add(s, math.prod(plan.shapes[i]), -1)
+        add(s, length * row, -1)
         for a, b, t in pieces:
             add(t, (b - a) * row, 1)
             used.add(t % G)
@@ -79,22 +84,22 @@ def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_
             if t != s:
                 loads[t] += per_row * (b - a)
         cut[i] = pieces
-    return _with_cuts(plan, cut, parent, flops_per_byte, bytes_per_elem) if cut else plan
+    return _with_cuts(plan, cut, parent, dims, (flops_per_byte, bytes_per_elem)) if cut else plan
 
 
-def _place(shape, s, held, bound, columns, load):
-    """[(start, stop, slot)] of a unit of `shape` on slot s cut along dim 0, or None when it
-    does not lower s: s keeps the rows that fit under `bound`, the rest fill the slots of s's
-    job with the most room (the HSDP copies its column's slots in other replicas would hold
-    counted), as few as that takes: `columns` (used, spread, G): never a
-    column in `used` (the parameter's), the columns not in `spread` (its layer's matrices')
-    first (§4: a layer's gathers from distinct ranks); `load`: (loads, top, cost per row),
-    the rows a slot's whole load allows."""
+def _place(size, s, held, bound, columns, load):
+    """[(start, stop, slot)] of a unit of `size` (length, elements per index) on slot s cut
+    along its cut dim, or None when it does not lower s: s keeps the indices that fit under
+    `bound`, the rest fill the slots of s's job with the most room (the HSDP copies its
+    column's slots in other replicas would hold counted), as few as that takes: `columns`
+    (used, spread, G): never a column in `used` (the parameter's), the columns not in
+    `spread` (its layer's matrices') first (§4: a layer's gathers from distinct ranks);
+    `load`: (loads, top, cost per index), the indices a slot's whole load allows."""
     used, spread, G = columns
-    row = element_bytes(True) * math.prod(shape[1:])
+    length, row = size[0], element_bytes(True) * size[1]
     least = max(1, math.ceil(MIN_PIECE_BYTES / row))  # rows
-    rest = held[s] - row * shape[0]  # s without the unit
-    mine = max(1, min(shape[0], math.floor((_ROOM * bound - rest) / row)))
+    rest = held[s] - row * length  # s without the unit
+    mine = max(1, min(length, math.floor((_ROOM * bound - rest) / row)))
     loads, top, per_row = load
     rooms = []
     for t in range(len(held)):
@@ -114,7 +119,7 @@ def _place(shape, s, held, bound, columns, load):
         if fit >= least:
             rooms.append((t % G in spread, -fit, t))
     rooms.sort()
-    counts, left, taken = [], shape[0] - mine, set()
+    counts, left, taken = [], length - mine, set()
     for _, fit, t in rooms:
         if left < least:  # (none left, or too few for a piece: the first keeps them)
             break
@@ -130,9 +135,11 @@ def _place(shape, s, held, bound, columns, load):
     return [(a, b, t) for a, b, (_, t) in zip(edges, edges[1:], counts, strict=False)]
 
 
-def _with_cuts(plan, cut, parent, flops_per_byte: float, bytes_per_elem: int):
-    """`plan` with each cut unit replaced by its pieces (a batch piece's, among its parameter's
-    pieces in order), each cut a gathered group, its first piece first."""
+def _with_cuts(plan, cut, parent, dims, per_byte: tuple[float, int]):
+    """`plan` with each cut unit replaced by its pieces along its dim in `dims` (a batch
+    piece's or a team slice's, among its parameter's pieces in order), each cut a gathered
+    group, its first piece first (all the unit's NS FLOPs and team bytes on it)."""
+    flops_per_byte, bytes_per_elem = per_byte
     cols = ("names", "shapes", "slots", "layers", "matrix", "costs", "nbytes", "ns_flops")
     cols += tuple(c for c in ("blocks", "team_bytes") if getattr(plan, c))
     rows = [
@@ -143,23 +150,26 @@ def _with_cuts(plan, cut, parent, flops_per_byte: float, bytes_per_elem: int):
         if i not in cut:
             out.append(r)
             continue
-        name = r["names"]
+        name, d, sh = r["names"], dims[i], r["shapes"]
         param, base = parent.get(name, name), parse_piece(name).start if name in parent else 0
-        row = math.prod(r["shapes"][1:])
+        row = math.prod(sh) // sh[d]
         group = []
         for j, (a, b, t) in enumerate(cut[i]):
-            group.append(piece_name(param, base + a, base + b))
+            group.append(piece_name(param, base + a, base + b, d))
             n = (b - a) * row
+            held = {  # a piece other than the first: its bytes' cost only
+                "costs": flops_per_byte * bytes_per_elem * n,
+                "ns_flops": 0.0,
+                **({"team_bytes": 0.0} if "team_bytes" in r else {}),
+            }
             out.append(
                 {
                     **r,
+                    **(held if j else {}),
                     "names": group[-1],
-                    "shapes": (b - a, *r["shapes"][1:]),
+                    "shapes": (*sh[:d], b - a, *sh[d + 1 :]),
                     "slots": t,
-                    "costs": r["costs"] if j == 0 else flops_per_byte * bytes_per_elem * n,
                     "nbytes": bytes_per_elem * n,
-                    "ns_flops": r["ns_flops"] if j == 0 else 0.0,
-                    **({"team_bytes": 0.0} if "team_bytes" in r else {}),
                 }
             )
         ps = sliced.get(param, (param,))

@@ -112,9 +112,13 @@ class Plan:
         return 0 if len(ps) == 1 else parse_piece(ps[0]).dim
 
     def team(self, name: str) -> tuple[str, ...]:
-        """The pieces of parameter `name` if they are a team (its matrix cut along its long
-        side, orthogonalized together), else ()."""
-        return self.pieces(name) if name in self.teams else ()
+        """The members' pieces of parameter `name` if it is a team (its matrix cut along its
+        long side, orthogonalized together; a member's slice held in a gathered group: its first
+        piece), else ()."""
+        if name not in self.teams:
+            return ()
+        rest = {p for g in self.gathered for p in g[1:]}
+        return tuple(p for p in self.pieces(name) if p not in rest)
 
     def gathered_group(self, name: str) -> tuple[str, ...]:
         """The gathered group plan name `name` (a piece) is in, its first piece first, else ()."""

@@ -59,26 +59,31 @@ def cuts(cost: float, mean: float, length: int, columns: int, per_share: int = 2
     return [j * q + min(j, r) for j in range(k + 1)]
 
 
-def make_team(plan, key: str, group, order: tuple[int, ...]) -> Team:
-    """What a member of a `Plan`'s team (`key`: its matrix) or gathered group (`key`: its
-    first piece) passes `muon_update`: `group`, and for a gathered group `order` (the group
-    rank holding each piece, in piece order)."""
-    ps = plan.pieces(key) if key in plan.teams else plan.gathered_group(key)
-    cuts = [parse_piece(p) for p in ps]
-    whole = list(plan.shape(ps[0]))
-    whole[cuts[0].dim] = cuts[-1].stop - cuts[0].start
-    if key in plan.teams:
-        return Team(group, tuple(whole), cuts[0].dim - 2)
-    return Team(group, tuple(whole), 0, tuple(p.stop - p.start for p in cuts), order)
+def make_team(plan, name: str, groups: Mapping[str, tuple]) -> Team | None:
+    """What plan name `name` (this rank's piece or parameter) passes `muon_update`, from this
+    rank's `groups` ({key: (group, the group rank of each piece)}, `comm.team_groups`; key: a
+    team's matrix, a gathered group's first piece): the Team of its team, or of its gathered
+    group (with its team as `inner` if it is a team member's slice), else None."""
+    m = _PIECE.fullmatch(name)
+    param = name if m is None else m.group(1)
+    member = None
+    if param in plan.teams:  # (a piece of a team's matrix: a member's slice, or part of one)
+        shape, dim = covered(plan, plan.pieces(param))
+        member = Team(groups.get(param, (None,))[0], shape, dim - 2)  # (None: not a member)
+    g = plan.gathered_group(name)
+    if not g:
+        return member if member is None else member._replace(group=groups[param][0])
+    shape, dim = covered(plan, g)
+    cuts = tuple(p.stop - p.start for p in map(parse_piece, g))
+    return Team(groups[g[0]][0], shape, dim, cuts, groups[g[0]][1], member)
 
 
-def team_key(plan, piece: str) -> str | None:
-    """The key (`make_team`'s) of the team or gathered group plan name `piece` is in, if any."""
-    group = plan.gathered_group(piece)
-    if group:
-        return group[0]
-    m = _PIECE.fullmatch(piece)
-    return m.group(1) if m is not None and m.group(1) in plan.teams else None
+def covered(plan, pieces: Sequence[str]) -> tuple[tuple[int, ...], int]:
+    """(shape, the dim they are cut along) of what consecutive `pieces` cover together."""
+    first, last = parse_piece(pieces[0]), parse_piece(pieces[-1])
+    whole = list(plan.shape(pieces[0]))
+    whole[first.dim] = last.stop - first.start
+    return tuple(whole), first.dim
 
 
 def team_cuts(shape: Sequence[int], k: int) -> tuple[int, list[int]]:

@@ -17,7 +17,7 @@ from ..ns._dispatch import iteration_dtype
 from ..ns._orthogonalize import _default_device
 from ._memory import MASTER_BYTES, resident
 from ._partition import Plan, _check, _check_int
-from ._slices import parse_piece, piece_name
+from ._slices import covered, parse_piece, piece_name
 from ._tensor import tensor_shares
 
 _FULL_TABLE = 24  # slots shown in full up to this many; larger jobs show a selection
@@ -263,6 +263,7 @@ def plan_summary(
     for layer, nb in zip(plan.layers, plan.nbytes, strict=True):
         per_layer[layer] = per_layer.get(layer, 0) + nb
     loads = [r.rank_ns_flops for r in rows]
+    teams = [(n, plan.team(n), covered(plan, plan.pieces(n))[0]) for n in plan.teams]
     return PlanSummary(
         world_size=plan.world_size,
         replicate_size=plan.replicate_size,
@@ -277,8 +278,8 @@ def plan_summary(
         sliced=_sliced(plan),
         gathered_peak=sum(sorted(per_layer.values())[-2:]),
         teams=tuple(
-            (n, len(ps), math.fsum(flops[plan._index(p)] for p in ps), ns_flops(_whole(plan, n)))
-            for n, ps in ((n, plan.pieces(n)) for n in plan.teams)
+            (n, len(ps), math.fsum(flops[plan._index(p)] for p in ps), ns_flops(whole))
+            for n, ps, whole in teams
         ),
         bandwidth=bandwidth,
         gathered=tuple((shown[plan._index(g[0])][0], len(g)) for g in plan.gathered),
@@ -295,7 +296,7 @@ def _gathered(plan: Plan) -> tuple[dict, dict[int, float]]:
     for g in plan.gathered:
         idx = [plan._index(p) for p in g]
         sizes = [MASTER_BYTES * math.prod(plan.shapes[i]) for i in idx]
-        shape = (sum(plan.shapes[i][0] for i in idx), *plan.shapes[idx[0]][1:])
+        shape = covered(plan, g)[0]
         shown[idx[0]], moved[idx[0]] = (_span(plan, g), shape), 2.0 * (sum(sizes) - sizes[0])
         for i, b in zip(idx[1:], sizes[1:], strict=True):
             shown[i], moved[i] = None, 2.0 * b
@@ -318,15 +319,7 @@ def _span(plan: Plan, group: tuple[str, ...]) -> str:
     first, last = parse_piece(group[0]), parse_piece(group[-1])
     if tuple(group) == plan.pieces(first.param):
         return first.param
-    return piece_name(first.param, first.start, last.stop)
-
-
-def _whole(plan: Plan, name: str) -> tuple[int, ...]:
-    """A sliced parameter's shape, from its pieces' (cut along one dim)."""
-    ps, d = plan.pieces(name), plan.cut_dim(name)
-    sh = list(plan.shape(ps[0]))
-    sh[d] = sum(plan.shape(p)[d] for p in ps)
-    return tuple(sh)
+    return piece_name(first.param, first.start, last.stop, first.dim)
 
 
 def measure_gemm_flops(
