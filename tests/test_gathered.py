@@ -210,7 +210,7 @@ def test_gathered_groups_keep_ns_loads_columns_and_lower_the_peak(shapes, mesh):
 
 
 def test_no_piece_below_the_least_worth_a_message():
-    small = dmuon.partition({"big": (512, 512), "small": (64, 64)}, 8)
+    small = dmuon.partition({"big": (256, 512), "small": (64, 64)}, 8)
     assert not small.gathered  # pieces of 1/8 MiB: not worth their all-to-all
     named = {n: s for n, s in gpt2().items() if len(s) == 2}  # GPT-2's 48 block matrices
     plan = dmuon.partition(named, 64)
@@ -232,7 +232,8 @@ def _claims(shapes: dict, world: int, replicas: int) -> None:
                 for t in range(world)]  # fmt: skip
 
     assert ns(plan) == pytest.approx(ns(before), rel=1e-12, abs=0)
-    assert max(plan.slot_loads) <= max(before.slot_loads) * (1 + 1e-9)
+    # the pieces' per-byte costs take no slot over LOAD_SLACK times the busiest load
+    assert max(plan.slot_loads) <= max(before.slot_loads) * _gathered.LOAD_SLACK * (1 + 1e-9)
     # resident bytes: the peak never rises; nothing is cut in a balanced plan
     assert max(resident(plan).total) <= max(resident(before).total)
     if resident(before).imbalance <= BALANCED:

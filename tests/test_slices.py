@@ -223,7 +223,10 @@ def test_no_slices_on_one_shard_column_or_for_a_single_matrix():
     # by seconds `w` dominates and is one matrix; `e` holds 0.44 of a rank's fair share of
     # bytes, so the byte balance cuts it into pieces of at most about a quarter share
     assert partition(shapes, 4, balance_bytes=False).sliced == ()
-    assert partition(shapes, 4).sliced == (("e", ("e[0:4]", "e[4:8]")),)
+    cut = partition(shapes, 4)
+    assert dict(cut.sliced)["e"] == ("e[0:4]", "e[4:8]")
+    # `w` holds most of the bytes: gathered pieces (proofs/partition.md §12), one NS owner
+    assert cut.gathered == (dict(cut.sliced)["w"],) and set(dict(cut.sliced)) == {"e", "w"}
     assert dict(partition({"e": (8, 64, 64)}, 4).sliced)["e"] == tuple(
         piece_name("e", a, a + 2) for a in range(0, 8, 2)
     )

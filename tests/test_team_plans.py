@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dmuon_fn import partition, plan_summary
+from dmuon_fn.planning._gathered import LOAD_SLACK
 from dmuon_fn.planning._slices import parse_piece
 from tests.test_partition import llama
 
@@ -48,7 +49,8 @@ def test_teams_only_past_a_share_in_one_replica_and_lighter(model, world, reps):
         members = [plan.coords(plan.slot(p)) for p in plan.team(n)]
         assert len(members) >= 2 and len({r for _, r in members}) == 1
         assert len(ps) <= G
-    assert max(plan.slot_loads) <= max(whole.slot_loads)
+    # lighter, but for gathered pieces' per-byte costs (at most LOAD_SLACK over, §12)
+    assert max(plan.slot_loads) <= max(whole.slot_loads) * LOAD_SLACK
     if plan.teams:
         assert plan.digest() != whole.digest() and '"teams"' in plan.canonical()
 

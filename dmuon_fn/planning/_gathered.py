@@ -19,10 +19,15 @@ from ._memory import BALANCED, MASTER_BYTES, element_bytes, resident
 from ._slices import parse_piece, piece_name
 
 _ROOM = 0.999  # of the bound a receiving slot may fill (rounding stays under it)
-# the least resident bytes a piece other than the first holds: below, the memory saved is
-# negligible beside a device's and the all-to-all's latency is not (a module constant, so that
-# a test of small models may lower it in its ranks)
-MIN_PIECE_BYTES = 1 << 20
+# the least resident bytes a piece other than the first holds: below, its all-to-all's time is
+# its latency (256 KiB at 50 GB/s, one 400 Gb/s link, take about the 5 µs a message starts
+# with), not its bytes (a module constant, so that a test of small models may lower it in its
+# ranks)
+MIN_PIECE_BYTES = 1 << 18
+# how far over the busiest slot's whole load (NS and per-byte costs) the pieces' per-byte costs
+# may take a slot: an expert-heavy plan's slots all sit at the busiest load to a fraction of
+# one expert's bytes, which would leave no room for any piece
+LOAD_SLACK = 1.02
 
 
 def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_elem: int):
@@ -34,13 +39,13 @@ def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_
     on its slot with all of the unit's Newton-Schulz, as many rows as fit under the bound; the
     others, of at least MIN_PIECE_BYTES each, go to the slots with the most room under it
     (their HSDP copies' too), on distinct shard columns no other piece of the parameter is on,
-    none raising its whole load above the busiest slot's (`_place`)."""
+    none raising its whole load above LOAD_SLACK times the busiest slot's (`_place`)."""
     W, G = plan.world_size, plan.shard_size
     held = list(resident(plan).total)
     bound = BALANCED * sum(held) / W
     if G < 2 or max(held) <= bound:
         return plan
-    loads, top = list(plan.slot_loads), max(plan.slot_loads)
+    loads, top = list(plan.slot_loads), LOAD_SLACK * max(plan.slot_loads)  # (the cap)
     parent = {p: n for n, ps in plan.sliced for p in ps}
     columns: dict[str, set[int]] = defaultdict(set)  # a parameter -> its pieces' columns
     layered: dict[str, set[int]] = defaultdict(set)  # a layer -> the columns of its matrices
@@ -97,7 +102,7 @@ def _place(size, s, held, bound, columns, load):
     `load`: (loads, top, cost per index), the indices a slot's whole load allows."""
     used, spread, G = columns
     length, row = size[0], element_bytes(True) * size[1]
-    least = max(1, math.ceil(MIN_PIECE_BYTES / row))  # rows
+    least = max(1, math.ceil(MIN_PIECE_BYTES / row))  # indices
     rest = held[s] - row * length  # s without the unit
     mine = max(1, min(length, math.floor((_ROOM * bound - rest) / row)))
     loads, top, per_row = load

@@ -15,9 +15,11 @@ Newton-Schulz seconds per step
 `balance_bytes=False` (the schedule by seconds alone) and with the default (batches also cut by
 bytes, units moved or swapped off the byte-heaviest ranks within the busiest NS load, the
 candidate plans weighed by bytes too, and matrices still too heavy for their owner held in
-gathered pieces, proofs/partition.md §12); the ratio of the NS seconds, after / before; the
-gathered groups after and the most bytes a rank moves for them per step (their two
-all-to-alls, fp32); planning seconds after.
+gathered pieces, proofs/partition.md §12); the ratio of the NS seconds, after / before; that
+of the busiest slot's whole load in the plan's cost model (NS and per-byte costs: a gathered
+piece's bytes cost its holder, up to LOAD_SLACK over the busiest); the gathered groups after and
+the most bytes a rank moves for them per step (their two all-to-alls, fp32); planning seconds
+after.
 
     PYTHONPATH=. python examples/benchmarks/bench_plan_memory.py [--shapes DIR] [--worlds ...]
 """
@@ -38,8 +40,8 @@ from dmuon_fn.planning._memory import BALANCED, resident
 
 def row(named: dict, fsdp: int, world: int, balance: bool) -> tuple:
     """(bytes busiest / mean, busiest NS seconds, planning seconds, gathered groups, the most
-    bytes a rank's gathered all-to-alls move per step) of `named` dedicated, the FSDP2 share of
-    `fsdp` elements on every rank."""
+    bytes a rank's gathered all-to-alls move per step, the busiest slot's whole load: NS and
+    per-byte costs) of `named` dedicated, the FSDP2 share of `fsdp` elements on every rank."""
     ew = [n for n, s in named.items() if len(s) < 2]
     t0 = time.perf_counter()
     plan = dmuon_fn.partition(named, world, elementwise=ew, balance_bytes=balance)
@@ -47,7 +49,8 @@ def row(named: dict, fsdp: int, world: int, balance: bool) -> tuple:
     s = dmuon_fn.plan_summary(plan, gemm_flops=H100_FLOPS, bandwidth=BANDWIDTH)
     held = [b + 12 * fsdp / world for b in resident(plan).total]
     moved = max(r.gather_bytes for r in s.slots)
-    return max(held) / (sum(held) / world), s.busiest_seconds, took, len(plan.gathered), moved
+    top = max(plan.slot_loads)
+    return max(held) / (sum(held) / world), s.busiest_seconds, took, len(plan.gathered), moved, top
 
 
 def main() -> None:
@@ -56,8 +59,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
     args = parser.parse_args()
     print("| model | Muon on | ranks | bytes busiest/mean before | after | NS ms before | after "
-          "| after / before | gathered groups | gathered MiB/step | planning s |")  # fmt: skip
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "| after / before | busiest load after / before | gathered groups | gathered MiB/step "
+          "| planning s |")  # fmt: skip
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     met = worse = total = 0
     for path in sorted(args.shapes.glob("*.json")):
         named = {n: tuple(s) for n, s in json.loads(path.read_text())["params"]}
@@ -65,14 +69,15 @@ def main() -> None:
             mine = {n: s for n, s in named.items() if all_matrices or (len(s) > 1 and in_block(n))}
             fsdp = sum(math.prod(s) for n, s in named.items() if n not in mine)
             for world in args.worlds:
-                b0, s0, *_ = row(mine, fsdp, world, False)
-                b1, s1, took, groups, moved = row(mine, fsdp, world, True)
+                b0, s0, *_, top0 = row(mine, fsdp, world, False)
+                b1, s1, took, groups, moved, top1 = row(mine, fsdp, world, True)
                 total += 1
                 met += b1 <= BALANCED
                 worse += s1 > 1.05 * s0
                 print(f"| {path.stem} | {'all' if all_matrices else 'blocks'} | {world} | "
                       f"{b0:.3f} | {b1:.3f} | {1e3 * s0:.4g} | {1e3 * s1:.4g} | {s1 / s0:.3f} | "
-                      f"{groups} | {moved / 2**20:.4g} | {took:.2f} |", flush=True)  # fmt: skip
+                      f"{top1 / top0:.3f} | {groups} | {moved / 2**20:.4g} | {took:.2f} |",
+                      flush=True)  # fmt: skip
     print(f"\nbytes busiest/mean <= {BALANCED}: {met} of {total} rows; NS seconds more than 5% "
           f"worse: {worse} of {total}")  # fmt: skip
 
