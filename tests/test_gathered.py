@@ -30,25 +30,32 @@ from tests.test_partition import gpt2
 D, BIG, OUT = 16, 96, 4
 STEPS, LR, WORLD_BATCH = 5, 0.05, 8
 BIG_W = "big.weight"  # (96, 16): alone more than 1.10x a rank's mean bytes at 4 ranks
+WIDE_W = "wide.weight"  # (16, 288): so is each slice of it on a team of 2, cut by columns
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """`wide`: with a (16, 288) matrix too, for a team of 2 on it."""
+
+    def __init__(self, wide: bool = False) -> None:
         super().__init__()
         self.big = nn.Linear(D, BIG, bias=False)
+        self.wide = nn.Linear(3 * BIG, D, bias=False) if wide else None
         self.small = nn.ModuleList([nn.Linear(D, D, bias=False) for _ in range(3)])
         self.head = nn.Linear(D, OUT, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + torch.tanh(self.big(x)).view(-1, BIG // D, D).mean(1)
+        h = torch.tanh(self.big(x))
+        x = x + h.view(-1, BIG // D, D).mean(1)
+        if self.wide is not None:
+            x = x + self.wide(h.repeat(1, 3))
         for layer in self.small:
             x = x + torch.tanh(layer(x))
         return self.head(x)
 
 
-def _model() -> Net:
+def _model(wide: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(wide)
 
 
 def _batch(step: int):
@@ -60,12 +67,13 @@ def _loss(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def reference() -> dict[str, torch.Tensor]:
-    return blocks_reference(_model(), lambda m, s: _loss(m, *_batch(s)), lambda n: None, STEPS, LR)
+def reference(wide: bool = False) -> dict[str, torch.Tensor]:
+    loss = lambda m, s: _loss(m, *_batch(s))  # noqa: E731
+    return blocks_reference(_model(wide), loss, lambda n: None, STEPS, LR)
 
 
-def _close(got: dict, want: dict) -> None:
-    close_after_steps(got, want, _model().state_dict())
+def _close(got: dict, want: dict, wide: bool = False) -> None:
+    close_after_steps(got, want, _model(wide).state_dict())
 
 
 def _meshes(world: int, hsdp: bool):
@@ -80,7 +88,7 @@ def _rows(rank: int, world: int):
 
 def _object(rank: int, world: int, hsdp: bool, z3: bool, teams: dict) -> dict:
     shard, rep = _meshes(world, hsdp)
-    model = _model()
+    model = _model(wide=bool(teams))
     dmuon.dedicate_params(
         model, shard, replicate_mesh=rep, pure=True, reshard_after_forward=z3, teams=teams
     )  # fmt: skip
@@ -98,41 +106,44 @@ def _object(rank: int, world: int, hsdp: bool, z3: bool, teams: dict) -> dict:
 
 
 def _team_slices_gathered(plan_gathered, teams) -> bool:
-    """Whether a member of a team in `teams` holds its slice as a gathered group."""
-    return any(parse_piece(g[0]).param in teams for g in plan_gathered)
+    """Whether a member of a team in `teams` holds its slice as a gathered group, cut along
+    the team's dim (the wide matrix's columns)."""
+    cuts = [parse_piece(p) for g in plan_gathered for p in g]
+    return any(c.param in teams and c.dim == 1 for c in cuts)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("hsdp", "z3", "teams"),
-    [(False, False, {}), (False, True, {}), (True, True, {}), (False, True, {BIG_W: 2})],
+    [(False, False, {}), (False, True, {}), (True, True, {}), (False, True, {WIDE_W: 2})],
 )
 def test_object_api_steps_gathered_groups_like_one_process(hsdp, z3, teams):
-    """With a team of 2 on the big matrix, each member's slice (1.3x a rank's mean bytes) is
-    itself gathered: its holder runs the team's Newton-Schulz on the gathered slice."""
-    want = reference()
+    """With a team of 2 on the wide matrix, each member's slice (its columns, 1.3x a rank's
+    mean bytes) is itself gathered: its holder runs the team's Newton-Schulz on it."""
+    want = reference(wide=bool(teams))
     results = run_ranks(_object, 4, hsdp, z3, teams)
     groups = results[0]["gathered"]
-    assert BIG_W in {parse_piece(g[0]).param for g in groups} and min(map(len, groups)) >= 2
+    heavy = WIDE_W if teams else BIG_W
+    assert heavy in {parse_piece(g[0]).param for g in groups} and min(map(len, groups)) >= 2
     assert _team_slices_gathered(groups, teams) == bool(teams)
     before = dmuon.partition(
-        {n: tuple(p.shape) for n, p in _model().named_parameters()}, 4,
-        replicate_size=2 if hsdp else 1, balance_bytes=False,
+        {n: tuple(p.shape) for n, p in _model(bool(teams)).named_parameters()}, 4,
+        replicate_size=2 if hsdp else 1, balance_bytes=False, teams=teams,
     )  # fmt: skip
     assert results[0]["resident"] < resident(before).imbalance
     for r in results:
-        _close(r["params"], want)
+        _close(r["params"], want, bool(teams))
     # Newton-Schulz runs once per matrix and step in the job (a team's: once per member): the
     # group's on one rank
     assert results[0]["teams"] == tuple(teams)
-    assert sum(r["ns"] for r in results) == STEPS * (4 + teams.get(BIG_W, 1))
+    assert sum(r["ns"] for r in results) == STEPS * (5 + teams.get(WIDE_W, 0))
 
 
 def _functional(rank: int, world: int, hsdp: bool, teams: dict) -> dict:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     shard, rep = _meshes(world, hsdp)
-    model = _model()
+    model = _model(wide=bool(teams))
     fp = dmuon.plan(model, shard, replicate_mesh=rep, teams=teams)
     cfg = dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
     state = dmuon.init(model, fp, cfg)
@@ -156,13 +167,13 @@ def _functional(rank: int, world: int, hsdp: bool, teams: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("hsdp", "teams"), [(False, {}), (True, {}), (False, {BIG_W: 2})])
+@pytest.mark.parametrize(("hsdp", "teams"), [(False, {}), (True, {}), (False, {WIDE_W: 2})])
 def test_a_compiled_functional_step_runs_gathered_groups_like_one_process(hsdp, teams):
-    want = reference()
+    want = reference(wide=bool(teams))
     for r in run_ranks(_functional, 4, hsdp, teams):
         assert r["gathered"] and r["frames"] == 1
         assert _team_slices_gathered(r["gathered"], teams) == bool(teams)
-        _close(r["params"], want)
+        _close(r["params"], want, bool(teams))
 
 
 def _checkpoint(rank: int, world: int, path: str, teams: dict, save: bool) -> dict:

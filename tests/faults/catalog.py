@@ -441,8 +441,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "a gathered group's pieces joined in group-rank order, not piece order",
         "dmuon_fn/ns/_team.py",
-        "        W = torch.cat([parts[r] for r in team.order]).view(team.shape)",
-        "        W = torch.cat(parts).view(team.shape)",
+        "        pieces = zip(team.pieces, team.order, strict=True)",
+        "        pieces = zip(team.pieces, sorted(team.order), strict=True)",
         (T + "test_gathered.py",),
     ),
     Fault(
@@ -450,6 +450,20 @@ FAULTS: tuple[Fault, ...] = (
         "dmuon_fn/planning/_gathered.py",
         "            if c != t:\n",
         "            if False:\n",
+        (T + "test_gathered.py",),
+    ),
+    Fault(
+        "a gathered team slice scaled by the slice's shape, not its team's matrix",
+        "dmuon_fn/optim/_update.py",
+        '    scaled = scaled if inner is None else {"shape": inner.shape}',
+        "    scaled = scaled",
+        (T + "test_gathered.py",),
+    ),
+    Fault(
+        "a team member's slice gathered along dim 0 whatever its team's cut",
+        "dmuon_fn/planning/_gathered.py",
+        "            dims[i] = parse_piece(n).dim",
+        "            dims[i] = 0",
         (T + "test_gathered.py",),
     ),
 )
