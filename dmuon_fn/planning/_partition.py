@@ -62,8 +62,8 @@ class Plan:
     # name; per plan name, a team member's collective bytes per step (proofs/team_ns.md claim 5)
     teams: tuple[str, ...] = ()
     team_bytes: tuple[float, ...] = ()
-    # gathered groups (§12): consecutive pieces of one parameter, cut along dim 0, whose first
-    # piece's holder orthogonalizes them all together, gathered; by their first piece's name
+    # gathered groups (§12): consecutive pieces of one parameter, cut along its cut dim, whose
+    # first piece's holder orthogonalizes them all together, gathered; by their first piece's name
     gathered: tuple[tuple[str, ...], ...] = ()
 
     @property
@@ -115,8 +115,11 @@ class Plan:
         """The members' pieces of parameter `name` if it is a team (its matrix cut along its
         long side, orthogonalized together; a member's slice held in a gathered group: its first
         piece), else ()."""
-        if name not in self.teams:
-            return ()
+        return self.units(name) if name in self.teams else ()
+
+    def units(self, name: str) -> tuple[str, ...]:
+        """The plan names parameter `name` is orthogonalized in: its pieces, a gathered group
+        by its first piece (the others orthogonalize nothing, §12)."""
         rest = {p for g in self.gathered for p in g[1:]}
         return tuple(p for p in self.pieces(name) if p not in rest)
 

@@ -66,13 +66,13 @@ def make_team(plan, name: str, groups: Mapping[str, tuple]) -> Team | None:
     group (with its team as `inner` if it is a team member's slice), else None."""
     m = _PIECE.fullmatch(name)
     param = name if m is None else m.group(1)
-    member = None
-    if param in plan.teams:  # (a piece of a team's matrix: a member's slice, or part of one)
-        shape, dim = covered(plan, plan.pieces(param))
-        member = Team(groups.get(param, (None,))[0], shape, dim - 2)  # (None: not a member)
     g = plan.gathered_group(name)
+    member = None
+    if param in plan.teams:  # a member's slice, or a gathered piece of one (None off the members)
+        shape, dim = covered(plan, plan.pieces(param))
+        member = Team(groups.get(param, (None,))[0] if g else groups[param][0], shape, dim - 2)
     if not g:
-        return member if member is None else member._replace(group=groups[param][0])
+        return member
     shape, dim = covered(plan, g)
     cuts = tuple(p.stop - p.start for p in map(parse_piece, g))
     return Team(groups[g[0]][0], shape, dim, cuts, groups[g[0]][1], member)

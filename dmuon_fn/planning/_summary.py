@@ -302,12 +302,8 @@ def _gathered(plan: Plan) -> tuple[dict, dict[int, float]]:
 
 def _sliced(plan: Plan) -> tuple[tuple[str, int], ...]:
     """(parameter, its pieces) per parameter the slicer cut: a gathered group counts as the
-    one unit it was cut from (a whole matrix cut only by §12 is not listed)."""
-    extra: dict[str, int] = {}
-    for g in plan.gathered:
-        p = parse_piece(g[0]).param
-        extra[p] = extra.get(p, 0) + len(g) - 1
-    counts = ((n, len(ps) - extra.get(n, 0)) for n, ps in plan.sliced)
+    one unit it was cut from (`Plan.units`; a whole matrix cut only by §12 is not listed)."""
+    counts = ((n, len(plan.units(n))) for n, _ in plan.sliced)
     return tuple((n, k) for n, k in counts if k > 1)
 
 
