@@ -203,22 +203,20 @@ def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _part(e, t: torch.Tensor) -> torch.Tensor:
     """A dedicated tensor as saved (tensor parallelism: its part, a DTensor of the whole; a
-    piece: its rows of the whole)."""
+    piece: its part of the whole)."""
     if e is not None and e.whole is not None:
-        return _piece_of(t, e.offset, e.whole, e.dim)
+        return _piece_of(t, e.piece.offsets, e.whole)
     return t if e is None or e.tp is None else e.tp.to_checkpoint(t)
 
 
-def _piece_of(
-    t: torch.Tensor, at: int | None, whole: tuple[int, ...], dim: int = 0
-) -> torch.Tensor:
-    """`t` as saved: a piece (`at` its offset along `dim`) as `_Piece`, else (and 0-d step
-    counts) itself."""
-    return t if at is None or t.ndim == 0 else _Piece.of(t, at, torch.Size(whole), dim)
+def _piece_of(t: torch.Tensor, at: tuple[int, ...] | None, whole: tuple[int, ...]) -> torch.Tensor:
+    """`t` as saved: a piece (`at` its offsets along its leading dims) as `_Piece`, else (and
+    0-d step counts) itself."""
+    return t if at is None or t.ndim == 0 else _Piece.of(t, at, torch.Size(whole))
 
 
 class _Piece(torch.Tensor):
-    """[offset, offset + len) along one dim of a tensor of shape `whole`, as DCP reads and
+    """a box of a tensor of shape `whole` from offsets `at` (its leading dims'), as DCP reads and
     writes a chunk of a larger tensor (its checkpointable protocol, as DTensor's); it shares the
     piece's storage, so a load writes into it."""
 
@@ -226,10 +224,9 @@ class _Piece(torch.Tensor):
     _whole: torch.Size
 
     @staticmethod
-    def of(t: torch.Tensor, offset: int, whole: torch.Size, dim: int = 0) -> _Piece:
+    def of(t: torch.Tensor, offsets: tuple[int, ...], whole: torch.Size) -> _Piece:
         x = torch.Tensor._make_subclass(_Piece, t)
-        at = [0] * t.ndim
-        at[dim] = offset
+        at = (*offsets, *[0] * (t.ndim - len(offsets)))
         x._at, x._whole = torch.Size(at), torch.Size(whole)
         return x
 
@@ -267,8 +264,8 @@ def _state_keys(state: State, *, load: bool) -> Keys:
         shapes[f"model.{n}"] = fp.shape(n)
         shapes |= {f"optim.{n}.{k}": () if v.ndim == 0 else fp.shape(n) for k, v in items.items()}
         held = fp.view.held(n)
-        at = None if held in (None, n) else parse_piece(held).start  # a piece's offset
-        part = functools.partial(_piece_of, at=at, whole=fp.shape(n), dim=fp.cut_dim(n))
+        at = None if held in (None, n) else parse_piece(held).offsets
+        part = functools.partial(_piece_of, at=at, whole=fp.shape(n))
         if fp.is_global_owner(n) or (load and fp.is_local_owner(n)):
             sd[f"model.{n}"] = part(state.params[n])
         if fp.is_global_owner(n):

@@ -323,16 +323,16 @@ def full_params(model: nn.Module, st=None, get=None, cast=True) -> dict[str, tor
             continue
         dtype = e.dtype if cast else torch.float32
         if e.tp is None or not e.tp.sharded:  # the whole parameter, or its pieces in order
+            from dmuon_fn.planning._slices import join
+
             bufs = []
-            for x in [
-                by_name[piece]
-                for piece in st.plan.pieces(e.names[0] if e.whole is None else _parent(e.name))
-            ]:
+            pieces = st.plan.pieces(e.names[0] if e.whole is None else _parent(e.name))
+            for x in [by_name[piece] for piece in pieces]:
                 here = st.is_global_owner(x)
                 buf = get(x.param).detach().float().clone() if here else torch.empty(x.shape)
                 dist.broadcast(buf, src=(x.owner_replica * st.shard_size + x.owner_shard) * T)
                 bufs.append(buf)
-            out[n] = torch.cat(bufs, dim=x.dim).to(dtype)  # (pieces: along their dim)
+            out[n] = join(pieces, bufs).to(dtype)  # (pieces: joined as the library does)
             continue
         slot = e.owner_replica * st.shard_size + e.owner_shard
         here = st.is_global_owner(e)

@@ -31,21 +31,30 @@ D, BIG, OUT = 16, 96, 4
 STEPS, LR, WORLD_BATCH = 5, 0.05, 8
 BIG_W = "big.weight"  # (96, 16): alone more than 1.10x a rank's mean bytes at 4 ranks
 WIDE_W = "wide.weight"  # (16, 288): so is each slice of it on a team of 2, cut by columns
+# experts too heavy one by one: (2, 192, 16) at 4 ranks, (1, 288, 16) on 2×2 HSDP; each expert
+# is held in pieces of its rows (`experts[e:e+1, a:b]`)
+EXPERTS = {False: (2, 192, D), True: (1, 288, D)}
 
 
 class Net(nn.Module):
-    """`wide`: with a (16, 288) matrix too, for a team of 2 on it."""
+    """`wide`: with a (16, 288) matrix too, for a team of 2 on it; `experts`: with a batch of
+    matrices of that shape too (E, R, 16), as MoE experts are stored."""
 
-    def __init__(self, wide: bool = False) -> None:
+    def __init__(self, wide: bool = False, experts: tuple | None = None) -> None:
         super().__init__()
         self.big = nn.Linear(D, BIG, bias=False)
         self.wide = nn.Linear(3 * BIG, D, bias=False) if wide else None
+        self.experts = None if experts is None else nn.Parameter(torch.randn(experts) / D)
         self.small = nn.ModuleList([nn.Linear(D, D, bias=False) for _ in range(3)])
         self.head = nn.Linear(D, OUT, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.big(x))
         x = x + h.view(-1, BIG // D, D).mean(1)
+        if self.experts is not None:
+            E, R, _ = self.experts.shape
+            y = torch.tanh(torch.einsum("bd,erd->ber", x, self.experts))
+            x = x + y.reshape(len(x), E * R // D, D).mean(1)
         if self.wide is not None:
             x = x + self.wide(h.repeat(1, 3))
         for layer in self.small:
@@ -53,9 +62,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _model(wide: bool = False) -> Net:
+def _model(wide: bool = False, experts: tuple | None = None) -> Net:
     torch.manual_seed(0)
-    return Net(wide)
+    return Net(wide, experts)
 
 
 def _batch(step: int):
@@ -67,13 +76,14 @@ def _loss(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def reference(wide: bool = False) -> dict[str, torch.Tensor]:
+def reference(wide: bool = False, experts: tuple | None = None) -> dict[str, torch.Tensor]:
     loss = lambda m, s: _loss(m, *_batch(s))  # noqa: E731
-    return blocks_reference(_model(wide), loss, lambda n: None, STEPS, LR)
+    spec = lambda n: "batch1" if n == "experts" else None  # noqa: E731  (the plan's default)
+    return blocks_reference(_model(wide, experts), loss, spec, STEPS, LR)
 
 
-def _close(got: dict, want: dict, wide: bool = False) -> None:
-    close_after_steps(got, want, _model(wide).state_dict())
+def _close(got: dict, want: dict, wide: bool = False, experts: tuple | None = None) -> None:
+    close_after_steps(got, want, _model(wide, experts).state_dict())
 
 
 def _meshes(world: int, hsdp: bool):
@@ -86,9 +96,9 @@ def _rows(rank: int, world: int):
     return slice(rank * per, (rank + 1) * per)
 
 
-def _object(rank: int, world: int, hsdp: bool, z3: bool, teams: dict) -> dict:
+def _object(rank: int, world: int, hsdp: bool, z3: bool, teams: dict, experts=None) -> dict:
     shard, rep = _meshes(world, hsdp)
-    model = _model(wide=bool(teams))
+    model = _model(bool(teams), experts)
     dmuon.dedicate_params(
         model, shard, replicate_mesh=rep, pure=True, reshard_after_forward=z3, teams=teams
     )  # fmt: skip
@@ -101,8 +111,23 @@ def _object(rank: int, world: int, hsdp: bool, z3: bool, teams: dict) -> dict:
         opt.zero_grad()
     opt.wait_publish()
     held = resident(plan).imbalance
+    params = full_params(model, cast=False)
+    sd = _state_dict_round_trip(model, params)
     return {"gathered": plan.gathered, "ns": opt.ns_calls, "teams": plan.teams,
-            "params": full_params(model, cast=False), "resident": held}  # fmt: skip
+            "params": params, "resident": held, "state_dict": sd}  # fmt: skip
+
+
+def _state_dict_round_trip(model, params: dict) -> bool:
+    """torch's `state_dict()` (each parameter a DTensor of its whole, from its pieces' holders)
+    is `params`; `load_state_dict` of it doubled (DTensors, sent back to the pieces' holders)
+    and of the plain whole tensors (each holder takes its part) writes them back."""
+    sd = model.state_dict()
+    whole = {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in sd.items()}
+    ok = all(torch.equal(whole[n], params[n]) for n in params)
+    model.load_state_dict({n: v * 2 for n, v in sd.items()})
+    ok &= all(torch.equal(v, 2 * params[n]) for n, v in full_params(model, cast=False).items())
+    model.load_state_dict(whole)
+    return ok and all(torch.equal(v, params[n]) for n, v in full_params(model, cast=False).items())
 
 
 def _team_slices_gathered(plan_gathered, teams) -> bool:
@@ -133,17 +158,18 @@ def test_object_api_steps_gathered_groups_like_one_process(hsdp, z3, teams):
     assert results[0]["resident"] < resident(before).imbalance
     for r in results:
         _close(r["params"], want, bool(teams))
+        assert r["state_dict"]
     # Newton-Schulz runs once per matrix and step in the job (a team's: once per member): the
     # group's on one rank
     assert results[0]["teams"] == tuple(teams)
     assert sum(r["ns"] for r in results) == STEPS * (5 + teams.get(WIDE_W, 0))
 
 
-def _functional(rank: int, world: int, hsdp: bool, teams: dict) -> dict:
+def _functional(rank: int, world: int, hsdp: bool, teams: dict, experts=None) -> dict:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     shard, rep = _meshes(world, hsdp)
-    model = _model(wide=bool(teams))
+    model = _model(bool(teams), experts)
     fp = dmuon.plan(model, shard, replicate_mesh=rep, teams=teams)
     cfg = dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
     state = dmuon.init(model, fp, cfg)
@@ -176,9 +202,35 @@ def test_a_compiled_functional_step_runs_gathered_groups_like_one_process(hsdp, 
         _close(r["params"], want, bool(teams))
 
 
-def _checkpoint(rank: int, world: int, path: str, teams: dict, save: bool) -> dict:
+def _rows_of_one_expert(groups) -> bool:
+    """Whether an expert is held in pieces of its rows (dim 1 within one index of dim 0)."""
+    cuts = [parse_piece(g[0]) for g in groups]
+    return any(c.param == "experts" and c.outer is not None and c.dim == 1 for c in cuts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("hsdp", "face"), [(False, "object"), (True, "object"), (False, "fn")])
+def test_an_experts_rows_gathered_step_like_one_process(hsdp, face):
+    """An expert alone over 1.10x a rank's mean bytes: its rows are held in a gathered group
+    (`experts[e:e+1, a:b]`, dim 1 within its one index), its Newton-Schulz on the first
+    piece's holder; the object face with Z3 and the compiled functional step."""
+    experts = EXPERTS[hsdp]
+    want = reference(experts=experts)
+    if face == "object":
+        results = run_ranks(_object, 4, hsdp, True, {}, experts)
+    else:
+        results = run_ranks(_functional, 4, hsdp, {}, experts)
+    assert _rows_of_one_expert(results[0]["gathered"])
+    for r in results:
+        _close(r["params"], want, experts=experts)
+        assert face != "object" or r["state_dict"]
+    if face == "object":  # once per matrix (an expert each) and step in the job
+        assert sum(r["ns"] for r in results) == STEPS * (5 + experts[0])
+
+
+def _checkpoint(rank: int, world: int, path: str, teams: dict, save: bool, experts=None) -> dict:
     _gathered.MIN_PIECE_BYTES = 0
-    model = _model()
+    model = _model(experts=experts)
     dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), pure=True, teams=teams)
     opt = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, weight_decay=0.0)
     loss_at = lambda m, step, rows: _loss(m, *(t[rows] for t in _batch(step)))  # noqa: E731
@@ -196,6 +248,68 @@ def test_a_gathered_checkpoint_loads_into_whole_owners_and_back(tmp_path):
         assert torch.equal(whole["loaded"][n], saved["loaded"][n]), n
         assert torch.equal(whole["momentum"][n], saved["momentum"][n]), n
     _close(whole["params"], reference())
+
+
+def _fn_checkpoint(rank: int, world: int, path: str, save: bool, experts) -> dict:
+    """The functional face: `save`, steps [0, 2) then save_state; else load_state into a fresh
+    state; then steps [2, STEPS); the values loaded and after, whole, with the plan's groups."""
+    _gathered.MIN_PIECE_BYTES = 0
+    model = _model(experts=experts)
+    fp = dmuon.plan(model, init_device_mesh("cpu", (world,)))
+    state = dmuon.init(
+        model, fp, dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
+    )
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean()
+
+    vg = dmuon.value_and_grad(loss_fn, fp)
+
+    def train(steps, state):
+        for i in steps:
+            x, y = _batch(i)
+            grads = vg(state.params, (x[_rows(rank, world)], y[_rows(rank, world)]))[1]
+            state = dmuon.update(grads, state)
+        return state
+
+    if save:
+        state = train(range(2), state)
+        dmuon.save_state(path, state)
+    else:
+        state = dmuon.load_state(path, state)
+    loaded = dmuon.full_params(state)
+    state = train(range(2, STEPS), state)
+    return {"loaded": loaded, "params": dmuon.full_params(state), "gathered": fp.partition.gathered}
+
+
+@pytest.mark.slow
+def test_an_experts_rows_functional_checkpoint_loads_on_2_ranks(tmp_path):
+    """The functional face saves each expert's row pieces (DCP chunks at their offsets) and
+    loads them on 2 ranks, where each expert is one rank's: the same values, then the same
+    steps as one process (momentum loaded too)."""
+    path, experts = str(tmp_path / "fn_rows"), EXPERTS[False]
+    (saved, *_) = run_ranks(_fn_checkpoint, 4, path, True, experts)
+    (whole, *_) = run_ranks(_fn_checkpoint, 2, path, False, experts)
+    assert _rows_of_one_expert(saved["gathered"]) and not whole["gathered"]
+    for n in saved["loaded"]:
+        assert torch.equal(whole["loaded"][n], saved["loaded"][n]), n
+    _close(whole["params"], reference(experts=experts), experts=experts)
+    _close(saved["params"], reference(experts=experts), experts=experts)
+
+
+@pytest.mark.slow
+def test_an_experts_rows_checkpoint_loads_into_whole_owners(tmp_path):
+    """Saved on 4 ranks with each expert in pieces of its rows, loaded on 2, where each expert
+    is one rank's."""
+    path, experts = str(tmp_path / "rows"), EXPERTS[False]
+    (saved, *_) = run_ranks(_checkpoint, 4, path, {}, True, experts)
+    (whole, *_) = run_ranks(_checkpoint, 2, path, {}, False, experts)
+    assert _rows_of_one_expert(saved["gathered"]) and not whole["gathered"]
+    for n in saved["loaded"]:
+        assert torch.equal(whole["loaded"][n], saved["loaded"][n]), n
+        assert torch.equal(whole["momentum"][n], saved["momentum"][n]), n
+    _close(whole["params"], reference(experts=experts), experts=experts)
 
 
 # ------------------------------------------------------------------------- the plan's claims
@@ -253,7 +367,12 @@ def _claims(shapes: dict, world: int, replicas: int) -> None:
         cuts = [parse_piece(p) for p in group]
         slots = [plan.slot(p) for p in group]
         team = cuts[0].param in plan.teams  # a member's slice: cut as its team's are
-        assert {c.dim for c in cuts} == {plan.cut_dim(cuts[0].param) if team else 0}
+        (dim, outer), *more = {(c.dim, c.outer) for c in cuts}  # one cut for the whole group
+        assert not more
+        if team:  # along the dim its team's slices are
+            assert dim == parse_piece(plan.pieces(cuts[0].param)[0]).dim and outer is None
+        else:  # along dim 0, or one expert's rows (dim 1 within its one index of dim 0)
+            assert (dim, outer) == (0, None) or (dim == 1 and outer[1] - outer[0] == 1)
         assert all(a.stop == b.start for a, b in itertools.pairwise(cuts))
         assert len({s % G for s in slots}) == len(slots)  # distinct shard columns
         assert all(plan.ns_flops[plan._index(p)] == 0 for p in group[1:])

@@ -28,8 +28,10 @@ from dmuon_fn.planning._slices import (
     _TeamSizes,
     best_sizing,
     cuts,
+    join,
     parse_piece,
     piece_name,
+    take,
 )
 from tests._dist import run_ranks
 from tests._models import blocks_reference, full_params, resumed
@@ -190,12 +192,50 @@ def test_the_team_sizing_is_the_best_of_every_cap(big, rest, columns, comm):
 
 
 def test_piece_names_round_trip_and_reject_other_names():
-    assert parse_piece(piece_name("a.b[0:1].w", 8, 16)) == ("a.b[0:1].w", 8, 16, 0)
+    assert parse_piece(piece_name("a.b[0:1].w", 8, 16)) == ("a.b[0:1].w", 8, 16, 0, None)
     assert piece_name("a.w", 8, 16, dim=1) == "a.w[:, 8:16]"
-    assert parse_piece("a.w[:, 8:16]") == ("a.w", 8, 16, 1)
-    for bad in ("a.w", "a.w[1:]", "a.w[01:3]", "a.w[2:0]", "a.w[:,8:16]"):
+    assert parse_piece("a.w[:, 8:16]") == ("a.w", 8, 16, 1, None)
+    # rows [8, 16) of expert 3 (§12: one expert's rows in a gathered group)
+    assert piece_name("e", 8, 16, dim=1, outer=(3, 4)) == "e[3:4, 8:16]"
+    assert parse_piece("e[3:4, 8:16]") == ("e", 8, 16, 1, (3, 4))
+    with pytest.raises(ValueError, match="cut along dim 1"):
+        piece_name("e", 8, 16, dim=0, outer=(3, 4))
+    bad = ("a.w", "a.w[1:]", "a.w[01:3]", "a.w[2:0]", "a.w[:,8:16]", "a.w[:, 1:2, 3:4]")
+    for name in bad:
         with pytest.raises(ValueError, match="not a piece name"):
-            parse_piece(bad)
+            parse_piece(name)
+
+
+@st.composite
+def _tiling(draw):
+    """(shape, piece names in order) of a 3-D parameter cut along dim 0, some single experts
+    cut again into runs of their rows, as the planner and §12 cut them."""
+    E, R = draw(st.integers(1, 6)), draw(st.integers(1, 9))
+    edges = sorted(draw(st.sets(st.integers(1, E - 1), max_size=E - 1))) if E > 1 else []
+    names = []
+    for a, b in itertools.pairwise([0, *edges, E]):
+        rows = sorted(draw(st.sets(st.integers(1, R - 1), max_size=3))) if R > 1 else []
+        if b - a == 1 and rows and draw(st.booleans()):
+            spans = itertools.pairwise([0, *rows, R])
+            names += [piece_name("w", r, q, 1, (a, b)) for r, q in spans]
+        else:
+            names.append(piece_name("w", a, b))
+    return (E, R, 3), names
+
+
+@settings(max_examples=100, deadline=None)
+@given(_tiling())
+def test_pieces_take_and_join_back_to_their_parameter(tiling):
+    """`take` gives each piece's view of its parameter (at its `offsets`); `join` of the pieces
+    in order is the parameter, bit for bit; the pieces' sizes add up to it."""
+    shape, names = tiling
+    x = torch.randn(shape)
+    parts = [take(x, n) for n in names]
+    assert torch.equal(join(names, parts), x)
+    assert sum(p.numel() for p in parts) == x.numel()
+    for n, p in zip(names, parts, strict=True):
+        at = parse_piece(n).offsets
+        assert p.data_ptr() == x[at].data_ptr()  # a view, where its offsets say
 
 
 @pytest.mark.parametrize(("world", "reps"), [(4, 1), (4, 2), (8, 2), (64, 1)])

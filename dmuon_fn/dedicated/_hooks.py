@@ -20,6 +20,7 @@ from torch.utils.checkpoint import (
 from custom_ops._handles import new_handle
 
 from ..planning._layers import layer_keys
+from ..planning._slices import join
 from . import _fsdp_adapter as fsdp
 from ._schedule import Scheduler
 from ._state import DedicatedState, Entry, Group, Unit, make_groups
@@ -74,8 +75,8 @@ class _Gather(torch.autograd.Function):
 
 
 def _cat(values: list[Tensor], es: list[Entry] | tuple[Entry, ...]) -> Tensor:
-    """A parameter from its pieces' values (entries `es`), joined along the dim it is cut."""
-    return values[0] if len(values) == 1 else torch.cat(values, dim=es[0].dim)
+    """A parameter from its pieces' values (entries `es`, `join`ed)."""
+    return values[0] if len(values) == 1 else join([e.name for e in es], values)
 
 
 def _value(group: list[Slot]) -> Tensor:

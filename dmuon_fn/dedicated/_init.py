@@ -157,10 +157,9 @@ def _target(st: DedicatedState | None, p: Tensor) -> _Target | None:
     if (e.whole is None and e.tp is None) or (e.tp is not None and not e.tp.sharded):
         return _Target(e.param.detach())  # the whole value
     full = torch.empty(e.full_shape, dtype=e.param.dtype, device=e.param.device)
-    if e.tp is None:  # a piece: [offset, offset + its size) along its dim
-        at, dim = e.offset, e.dim
-    else:  # this tensor rank's part
-        at, dim = e.tp.offset(st.tensor.rank), e.tp.dim
+    if e.tp is None:  # a piece: its part of the whole
+        return _Target(full, lambda v: e.param.detach().copy_(v[e.piece.index]))
+    at, dim = e.tp.offset(st.tensor.rank), e.tp.dim  # this tensor rank's part
     size = e.shape[dim]
     return _Target(full, lambda v: e.param.detach().copy_(v.narrow(dim, at, size)))
 

@@ -24,7 +24,7 @@ from custom_ops._collectives import broadcast_start as issue_broadcast
 from ..comm._counters import blocked
 from ..comm._mesh import phase
 from ..ns._team import Team
-from ..planning._slices import make_team
+from ..planning._slices import Piece, make_team
 from ..planning._view import RankView
 from ..tp._layout import TensorLayout, TensorMesh
 
@@ -58,8 +58,7 @@ class Entry:
     param: nn.Parameter  # full on local owners (fp32 master on the global owner), else 0-size
     device: torch.device  # param's: compiled hooks read this, never `param`
     tp: TensorLayout | None = None  # tensor parallelism: `shape`/`param` are this rank's part
-    offset: int = 0  # a piece (planning/_slices.py): its first index along its parameter's `dim`
-    dim: int = 0  # a piece: the dim its parameter is cut along (a team's: its long side)
+    piece: Piece | None = None  # a piece (planning/_slices.py): where it is in its parameter
     whole: torch.Size | None = None  # a piece: its parameter's shape
     holder: nn.Parameter | None = None  # a piece: the parameter its module holds on this rank
     publish: dist.Work | None = None  # the HSDP publish into `param` still in flight

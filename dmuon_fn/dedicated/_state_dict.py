@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm._mesh import master_dtype
-from ..planning._slices import parse_piece
+from ..planning._slices import parse_piece, take
 from ._state import DedicatedState, Entry
 
 _FLAT = "_dmuon_flat_mesh"
@@ -69,16 +69,12 @@ def owner_slot(st: DedicatedState, e: Entry, replica: int | None = None) -> int:
 def _regions(e: Entry, start: int, stop: int):
     """(index into the piece, index into the shard of rows [start, stop)) of the part of `e`
     (a piece or a whole parameter) in those rows of its parameter, or None if they share none."""
-    d, a = e.dim, e.offset  # (0, 0) for a whole parameter
-    b = a + e.shape[d]
-    if d == 0:
-        lo, hi = max(a, start), min(b, stop)
-        if lo >= hi:
-            return None
-        return (slice(lo - a, hi - a),), (slice(lo - start, hi - start),)
-    if start >= stop:
+    index = () if e.piece is None else e.piece.index
+    a = (index[0].start or 0) if index else 0  # the piece's rows [a, a + its dim 0)
+    lo, hi = max(a, start), min(a + e.shape[0], stop)
+    if lo >= hi:
         return None
-    return (slice(start, stop),), (*(slice(None),) * d, slice(a, b))
+    return (slice(lo - a, hi - a),), (slice(lo - start, hi - start), *index[1:])
 
 
 def _exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) -> None:
@@ -158,8 +154,8 @@ def load_whole(st: DedicatedState, es: list[Entry], value: Tensor, key: str, put
         if not isinstance(value, DTensor):
             for e in es:
                 if (t := target(e)) is not None:
-                    d, a = e.dim, e.offset  # (0, 0) for a whole parameter
-                    t.copy_(value.detach().narrow(d, a, e.shape[d]).to(t.device, t.dtype))
+                    part = value.detach() if e.piece is None else take(value.detach(), e.name)
+                    t.copy_(part.to(t.device, t.dtype))
             return
         replicas = (lambda e: (e.owner_replica,)) if put else (lambda e: range(st.replicate_size))
         _scatter_back(st, es, value.to_local(), flat_mesh(st)[1], target, replicas)

@@ -1,10 +1,12 @@
 """The functional face's collectives: a gather of parameters or a reduce of gradients is one
 owner op over the shard group, an entry per piece (a parameter not sliced is its one piece), the
-pieces of a sliced parameter concatenated along their dim after a gather (proofs/step_notes.md)."""
+pieces of a sliced parameter joined after a gather (`join`) (proofs/step_notes.md)."""
 
 from __future__ import annotations
 
 import torch
+
+from ..planning._slices import join, take
 
 _SELF = (0, 1, 1, 0, 1, 1)  # a size-1 route: the token never reaches torch.distributed
 
@@ -22,26 +24,24 @@ def owner_entries(values, rows, routes, token=None):
 
 def full_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
     """Each piece's shape (a parameter not sliced: its own)."""
-    return [fn_plan.partition.shape(p) for _, p, _, _ in pieces]
+    return [fn_plan.partition.shape(p) for _, p in pieces]
 
 
 def local_rows(pieces, fn_plan) -> list[tuple[int, ...]]:
     """Each piece's reduced gradient's shape here: the piece's on its local owner, else (0,)."""
     rows = full_rows(pieces, fn_plan)
-    held = [fn_plan.view.is_local_owner(p) for _, p, _, _ in pieces]
+    held = [fn_plan.view.is_local_owner(p) for _, p in pieces]
     return [r if h else (0,) for r, h in zip(rows, held, strict=True)]
 
 
 def joined(pieces, outs, fn_plan, gathered: bool) -> dict[str, torch.Tensor]:
     """Per parameter, from its pieces' outputs (a token after them ignored): gathered, their
-    concatenation along the dim it is cut; reduced, the one this rank holds (else the first,
-    0-size)."""
+    `join`; reduced, the one this rank holds (else the first, 0-size)."""
     by: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for (n, p, _, _), out in zip(pieces, outs[: len(pieces)], strict=True):
+    for (n, p), out in zip(pieces, outs[: len(pieces)], strict=True):
         by.setdefault(n, []).append((p, out))
     if gathered:
-        cat = lambda n, v: torch.cat([o for _, o in v], fn_plan.cut_dim(n))  # noqa: E731
-        return {n: v[0][1] if len(v) == 1 else cat(n, v) for n, v in by.items()}
+        return {n: join(*zip(*v, strict=True)) for n, v in by.items()}
     held = fn_plan.view.is_local_owner
     return {n: next((o for p, o in v if held(p)), v[0][1]) for n, v in by.items()}
 
@@ -59,9 +59,9 @@ def gather_params(params, names, fn_plan, token=None, after=None, start=False):
     values = [  # what this rank holds of each piece (0-size: none of it; a whole parameter's
         # holder passes its value, any other rank its 0-size placeholder: the same graph)
         fn_plan.compute(params[n] if p == n or fn_plan.view.is_local_owner(p) else params[n][:0])
-        for n, p, _, _ in pieces
+        for n, p in pieces
     ]
-    routes = [fn_plan.route(p) for _, p, _, _ in pieces]
+    routes = [fn_plan.route(p) for _, p in pieces]
     args = owner_entries(values, full_rows(pieces, fn_plan), routes, token)
     op = torch.ops.dmuon.owner_broadcast_start if start else torch.ops.dmuon.owner_broadcast
     outs = op(*args, fn_plan.group, after=after)
@@ -72,11 +72,8 @@ def reduce_grads(grads, names, fn_plan, token=None, after=None, start=False):
     """Gradients of `names` -> the data-parallel mean on each global owner (of each piece),
     zeros shaped like the local slot elsewhere, in one op; token and start as `gather_params`'s."""
     pieces = fn_plan.pieces(names)
-    values = [
-        fn_plan.summed(grads[n].narrow(fn_plan.cut_dim(n), a, b - a) if p != n else grads[n])
-        for n, p, a, b in pieces
-    ]
-    routes = [fn_plan.route(p) for _, p, _, _ in pieces]
+    values = [fn_plan.summed(take(grads[n], p) if p != n else grads[n]) for n, p in pieces]
+    routes = [fn_plan.route(p) for _, p in pieces]
     entries = owner_entries(values, local_rows(pieces, fn_plan), routes, token)
     scale = 1.0 / (fn_plan.shard_size * fn_plan.replicate_size)
     args = (*entries, fn_plan.group, fn_plan.rep_group, scale)

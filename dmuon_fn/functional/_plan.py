@@ -17,7 +17,7 @@ from ..ns._dispatch import agreed_gram, gram_rule
 from ..ns._team import Team
 from ..planning._check import check_plan_consistent
 from ..planning._partition import partition
-from ..planning._slices import make_team, parse_piece
+from ..planning._slices import make_team
 from ..planning._summary import PlanSummary, plan_summary
 from ..planning._view import RankView
 
@@ -42,7 +42,6 @@ class FnPlan:
     shard_size = property(lambda self: self.view.plan.shard_size)
     replicate_size = property(lambda self: self.view.plan.replicate_size)
     route = property(lambda self: self.view.route)  # of a plan name (a parameter or a piece)
-    cut_dim = property(lambda self: self.view.plan.cut_dim)  # of a parameter
 
     def is_local_owner(self, name: str) -> bool:
         """Whether this rank holds parameter `name` (a sliced one: a piece) between steps."""
@@ -53,15 +52,10 @@ class FnPlan:
         held = self.view.held(name)
         return held is not None and self.view.is_global_owner(held)
 
-    def pieces(self, names) -> list[tuple[str, str, int, int]]:
-        """(parameter, plan name, start, stop) of every piece of `names` in order, a parameter
-        not sliced being its one piece [0, its dim 0)."""
-        out = []
-        for n in names:
-            ps = self.partition.pieces(n)
-            whole = (n, n, 0, self.shape(n)[0] if self.shape(n) else 1)
-            out += [whole] if len(ps) == 1 else [(n, p, *parse_piece(p)[1:3]) for p in ps]
-        return out
+    def pieces(self, names) -> list[tuple[str, str]]:
+        """(parameter, plan name) of every piece of `names` in order, a parameter not sliced
+        being its one piece (its own name)."""
+        return [(n, p) for n in names for p in self.partition.pieces(n)]
 
     def team(self, name: str) -> Team | None:
         """What this rank's piece of `name` passes `muon_update` as its team (a team's or a

@@ -18,6 +18,7 @@ from ..optim import _guard as guard
 from ..optim._config import Config, check_nonfinite
 from ..optim._qk_clip import check_clip_heads, clip_params, stacked_maxes
 from ..optim._update import AdamWState, MuonState, init_state, param_update
+from ..planning._slices import take
 from ._collect import (
     flat,
     full_rows,
@@ -77,9 +78,7 @@ def init(
     for name in fn_plan.names:
         whole, pieces = named[name], fn_plan.pieces([name])
         held = [
-            whole.narrow(fn_plan.cut_dim(name), a, b - a)
-            for _, p, a, b in pieces
-            if len(pieces) > 1 and fn_plan.view.is_local_owner(p)
+            take(whole, p) for _, p in pieces if len(pieces) > 1 and fn_plan.view.is_local_owner(p)
         ]
         params[name] = local = _held(held[0] if held else whole, name, fn_plan)
         like = local if fn_plan.is_global_owner(name) else local.new_empty(0)
@@ -300,7 +299,7 @@ class _Overlapped:
     def gathered(self, handle, after):
         ticket, names = handle
         pieces = self.plan.pieces(names)
-        likes = [self.like[n] for n, _, _, _ in pieces]
+        likes = [self.like[n] for n, _ in pieces]
         outs = self._wait(ticket, likes, full_rows(pieces, self.plan), after)
         return joined(pieces, outs, self.plan, gathered=True)
 

@@ -1,7 +1,8 @@
 """Gathered teams (proofs/partition.md §12): a matrix whose fp32 master and momentum leave its
 owner holding more than BALANCED times the mean slot's resident bytes, with nothing lighter to
-move (planning/_memory.py), is cut along dim 0 (a team member's slice: along its team's cut)
-into pieces held by the lightest slots. Its Newton-Schulz stays where the schedule put it, on
+move (planning/_memory.py), is cut along dim 0 (a team member's slice: along its team's cut;
+a single expert, (1, m, n): along its rows, pieces `name[e:e+1, a:b]`) into pieces held by the
+lightest slots. Its Newton-Schulz stays where the schedule put it, on
 the holder of the first piece, which gathers the momentum's pieces, orthogonalizes the whole as
 one owner would (a slice: as its team's member) and sends each piece back
 (`orthogonalize_gathered`): every slot's NS load is what it was; the step moves twice the
@@ -34,12 +35,13 @@ def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_
     """`plan` with units cut into gathered groups until the busiest slot's resident bytes are
     at most BALANCED times the mean, or its heaviest unit cannot be cut (one index along its
     cut, a parameter in `keep`, or no room for its pieces); `plan` itself when no cut is
-    needed. A unit is a whole matrix or a piece of a sliced batch, cut along dim 0, or a team
-    member's slice, cut along the dim its team's are: the first piece stays
-    on its slot with all of the unit's Newton-Schulz, as many rows as fit under the bound; the
-    others, of at least MIN_PIECE_BYTES each, go to the slots with the most room under it
-    (their HSDP copies' too), on distinct shard columns no other piece of the parameter is on,
-    none raising its whole load above LOAD_SLACK times the busiest slot's (`_place`)."""
+    needed. A unit is a whole matrix or a piece of a sliced batch, cut along dim 0 (a single
+    expert along its rows, dim 1), or a team member's slice, cut along the dim its team's are:
+    the first piece stays on its slot with all of the unit's Newton-Schulz, as many rows as fit
+    under the bound; the others, of at least MIN_PIECE_BYTES each, go to the slots with the
+    most room under it (their HSDP copies' too), on distinct shard columns no other piece of the
+    parameter is on, none raising its whole load above LOAD_SLACK times the busiest slot's
+    (`_place`)."""
     W, G = plan.world_size, plan.shard_size
     held = list(resident(plan).total)
     bound = BALANCED * sum(held) / W
@@ -50,13 +52,16 @@ def gather_pieces(plan, keep: Collection[str], flops_per_byte: float, bytes_per_
     columns: dict[str, set[int]] = defaultdict(set)  # a parameter -> its pieces' columns
     layered: dict[str, set[int]] = defaultdict(set)  # a layer -> the columns of its matrices
     on: dict[int, list[int]] = defaultdict(list)
-    dims = [0] * len(plan.names)  # the dim a unit is cut along: a team slice's, else 0
+    dims = [0] * len(plan.names)  # the dim a unit is cut along: a team slice's, one expert's
+    # rows (1), else 0
     for i, (n, s) in enumerate(zip(plan.names, plan.slots, strict=True)):
         columns[parent.get(n, n)].add(s % G)
         if plan.matrix[i]:
             layered[plan.layers[i]].add(s % G)
         if n in parent and parent[n] in plan.teams:
             dims[i] = parse_piece(n).dim
+        elif len(plan.shapes[i]) == 3 and plan.shapes[i][0] == 1:  # one expert: by its rows
+            dims[i] = 1
         if plan.matrix[i] and plan.shapes[i][dims[i]] > 1 and parent.get(n, n) not in keep:
             on[s].append(i)
     cut: dict[int, list[tuple[int, int, int]]] = {}  # unit index -> (start, stop, slot)s
@@ -156,11 +161,16 @@ def _with_cuts(plan, cut, parent, dims, per_byte: tuple[float, int]):
             out.append(r)
             continue
         name, d, sh = r["names"], dims[i], r["shapes"]
-        param, base = parent.get(name, name), parse_piece(name).start if name in parent else 0
+        param, own = parent.get(name, name), parse_piece(name) if name in parent else None
+        base, outer = 0, None  # where the unit starts along d; one expert's dim-0 index
+        if own is not None and own.dim == d:
+            base = own.start
+        elif d == 1 and len(sh) == 3:
+            outer = (own.start, own.stop) if own is not None else (0, 1)
         row = math.prod(sh) // sh[d]
         group = []
         for j, (a, b, t) in enumerate(cut[i]):
-            group.append(piece_name(param, base + a, base + b, d))
+            group.append(piece_name(param, base + a, base + b, d, outer))
             n = (b - a) * row
             held = {  # a piece other than the first: its bytes' cost only
                 "costs": flops_per_byte * bytes_per_elem * n,

@@ -106,11 +106,6 @@ class Plan:
                 return ps
         return (name,)
 
-    def cut_dim(self, name: str) -> int:
-        """The dim parameter `name`'s pieces are cut along (0 if it is whole)."""
-        ps = self.pieces(name)
-        return 0 if len(ps) == 1 else parse_piece(ps[0]).dim
-
     def team(self, name: str) -> tuple[str, ...]:
         """The members' pieces of parameter `name` if it is a team (its matrix cut along its
         long side, orthogonalized together; a member's slice held in a gathered group: its first

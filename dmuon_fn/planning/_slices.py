@@ -16,11 +16,15 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
+import torch
+
 from ..ns._blocks import Blocks
 from ..ns._team import Team
 from ._memory import element_bytes
 
-_PIECE = re.compile(r"(.+)\[((?::, )*)(0|[1-9][0-9]*):([1-9][0-9]*)\]")
+_PIECE = re.compile(
+    r"(.+)\[((?::, )*)(?:(0|[1-9][0-9]*):([1-9][0-9]*), )?(0|[1-9][0-9]*):([1-9][0-9]*)\]"
+)
 
 
 class Piece(NamedTuple):
@@ -28,19 +32,67 @@ class Piece(NamedTuple):
     start: int
     stop: int
     dim: int  # the parameter's dim it is cut along
+    # a piece of one batch piece (§12: rows of one expert): its [a, b) of dim 0 (dim is 1)
+    outer: tuple[int, int] | None = None
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """What the piece is of its parameter, as an index (`param_tensor[piece.index]`)."""
+        lead = (slice(None),) * self.dim if self.outer is None else (slice(*self.outer),)
+        return (*lead, slice(self.start, self.stop))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where the piece starts along its parameter's dims up to its cut dim."""
+        return tuple(s.start or 0 for s in self.index)
 
 
-def piece_name(name: str, start: int, stop: int, dim: int = 0) -> str:
-    """The plan's name of [start, stop) of `name`'s dim `dim`: `name[a:b]`, `name[:, a:b]`..."""
+def piece_name(
+    name: str, start: int, stop: int, dim: int = 0, outer: tuple[int, int] | None = None
+) -> str:
+    """The plan's name of [start, stop) of `name`'s dim `dim`: `name[a:b]`, `name[:, a:b]`...;
+    `outer` (dim 1 only): within [a, b) of dim 0, `name[e0:e1, a:b]`."""
+    if outer is not None:
+        if dim != 1:
+            raise ValueError(f"a piece within a dim-0 range is cut along dim 1, not {dim}")
+        return f"{name}[{outer[0]}:{outer[1]}, {start}:{stop}]"
     return f"{name}[{':, ' * dim}{start}:{stop}]"
 
 
 def parse_piece(piece: str) -> Piece:
-    """(parameter, start, stop, dim) of a piece name; ValueError for another name."""
+    """(parameter, start, stop, dim, outer) of a piece name; ValueError for another name."""
     m = _PIECE.fullmatch(piece)
-    if m is None:
-        raise ValueError(f"{piece!r} is not a piece name 'param[start:stop]' or 'param[:, a:b]'")
-    return Piece(m.group(1), int(m.group(3)), int(m.group(4)), len(m.group(2)) // 3)
+    if m is None or (m.group(2) and m.group(3) is not None):
+        raise ValueError(
+            f"{piece!r} is not a piece name 'param[start:stop]', 'param[:, a:b]' or "
+            "'param[e0:e1, a:b]'"
+        )
+    if m.group(3) is not None:
+        outer = (int(m.group(3)), int(m.group(4)))
+        return Piece(m.group(1), int(m.group(5)), int(m.group(6)), 1, outer)
+    return Piece(m.group(1), int(m.group(5)), int(m.group(6)), len(m.group(2)) // 3)
+
+
+def take(value, piece: str):
+    """What piece `piece` (its plan name) is of its parameter's `value`: a view."""
+    return value[parse_piece(piece).index]
+
+
+def join(pieces: Sequence[str], values: Sequence):
+    """A parameter from its pieces' `values` in order (`pieces`: their plan names, all of it):
+    the pieces of one batch piece concatenated along dim 1, then all along their cut dim."""
+    if len(values) == 1:
+        return values[0]
+    runs: list[tuple[tuple[int, int] | None, list]] = []
+    for p, v in zip(pieces, values, strict=True):
+        outer = parse_piece(p).outer
+        if outer is not None and runs and runs[-1][0] == outer:
+            runs[-1][1].append(v)
+        else:
+            runs.append((outer, [v]))
+    parts = [torch.cat(vs, 1) if o is not None else vs[0] for o, vs in runs]
+    dim = 0 if any(o is not None for o, _ in runs) else parse_piece(pieces[0]).dim
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 BYTE_PIECES = 4  # a batch's pieces hold at most about 1/4 of a slot's fair share of bytes

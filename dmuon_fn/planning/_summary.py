@@ -312,7 +312,7 @@ def _span(plan: Plan, group: tuple[str, ...]) -> str:
     first, last = parse_piece(group[0]), parse_piece(group[-1])
     if tuple(group) == plan.pieces(first.param):
         return first.param
-    return piece_name(first.param, first.start, last.stop, first.dim)
+    return piece_name(first.param, first.start, last.stop, first.dim, first.outer)
 
 
 def measure_gemm_flops(

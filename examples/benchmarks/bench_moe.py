@@ -42,7 +42,7 @@ from _timing import machine
 import dmuon_fn
 from dmuon_fn.ns._blocks import orthogonalize_blocks
 from dmuon_fn.ns._dispatch import dtype_reason, gram_min_aspect, gram_rule, iteration_dtype
-from dmuon_fn.planning._slices import parse_piece
+from dmuon_fn.planning._slices import join, parse_piece, take
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = ROOT.parent / "shared" / "data" / "model_shapes"
@@ -78,11 +78,12 @@ def rank_work(plan: dmuon_fn.Plan, grads: dict[str, torch.Tensor]) -> list[list]
     pieces = {p for _, ps in plan.sliced for p in ps}
     work: list[list] = [[] for _ in range(plan.world_size)]
     for i, name in enumerate(plan.names):
-        if not plan.matrix[i]:
+        group = plan.gathered_group(name) or (name,)
+        if not plan.matrix[i] or group[0] != name:  # a gathered group's NS is its first piece's
             continue
-        if name in pieces:
-            base, a, b, _ = parse_piece(name)
-            G = grads[base][a:b]  # a piece is rows [a, b) of the expert dim: contiguous
+        if name in pieces:  # what the piece (or its gathered group) is of the parameter
+            base = parse_piece(name).param
+            G = join(group, [take(grads[base], p) for p in group]).contiguous()
         else:
             G = grads[name]
         work[plan.slots[i]].append((G, plan.blocks[i]))
