@@ -466,4 +466,25 @@ FAULTS: tuple[Fault, ...] = (
         "            dims[i] = 0",
         (T + "test_gathered.py",),
     ),
+    Fault(
+        "one expert's row pieces joined along the expert dim, not along its rows",
+        "dmuon_fn/planning/_slices.py",
+        "    parts = [torch.cat(vs, 1) if o is not None else vs[0] for o, vs in runs]",
+        "    parts = [torch.cat(vs, 0) if o is not None else vs[0] for o, vs in runs]",
+        (T + "test_gathered.py::test_an_experts_rows_gathered_step_like_one_process",),
+    ),
+    Fault(
+        "a row piece's DCP chunk placed at its expert's offset only, not its rows'",
+        "dmuon_fn/planning/_slices.py",
+        "        return tuple(s.start or 0 for s in self.index)",
+        "        return tuple(s.start or 0 for s in self.index[:1])",
+        (T + "test_gathered.py::test_an_experts_rows_functional_checkpoint_loads_on_2_ranks",),
+    ),
+    Fault(
+        "a piece's part of torch's whole state dict taken without its columns",
+        "dmuon_fn/dedicated/_state_dict.py",
+        "    return (slice(lo - a, hi - a),), (slice(lo - start, hi - start), *index[1:])",
+        "    return (slice(lo - a, hi - a),), (slice(lo - start, hi - start),)",
+        (T + "test_gathered.py::test_an_experts_rows_gathered_step_like_one_process",),
+    ),
 )
