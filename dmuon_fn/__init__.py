@@ -24,7 +24,8 @@ from .optim._config import Config
 from .optim._qk_clip import ClipHeads, LogitTracker, max_logits, qk_clip, qk_clip_fused
 from .optim._update import AdamWState, MuonState, adamw_init, adamw_update, muon_init, muon_update
 from .planning._check import PlanMismatchError, check_plan_consistent
-from .planning._partition import Plan, partition
+from .planning._partition import partition
+from .planning._plan import Plan
 from .planning._summary import PlanSummary, measure_gemm_flops
 
 _fsdp_adapter.install()  # fully_shard skips dedicated params (see _fsdp_adapter)

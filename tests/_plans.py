@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from dmuon_fn.planning._partition import Plan, partition
+from dmuon_fn.planning._partition import partition
+from dmuon_fn.planning._plan import Plan
 
 
 def param_cost(shape: tuple[int, ...], *, matrix: bool, blocks=None, **options) -> float:

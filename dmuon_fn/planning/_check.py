@@ -12,7 +12,7 @@ import torch.distributed as dist
 import custom_ops
 
 from ..comm._mesh import all_gather_json
-from ._partition import Plan
+from ._plan import Plan
 
 
 class PlanMismatchError(RuntimeError):

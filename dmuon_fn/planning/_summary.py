@@ -16,7 +16,8 @@ from ..ns._cost import ns_flops
 from ..ns._dispatch import iteration_dtype
 from ..ns._orthogonalize import _default_device
 from ._memory import MASTER_BYTES, resident
-from ._partition import Plan, _check, _check_int
+from ._partition import _check, _check_int
+from ._plan import Plan
 from ._render import render
 from ._slices import covered, parse_piece, piece_name
 from ._tensor import tensor_shares

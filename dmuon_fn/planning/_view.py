@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._partition import Plan
+from ._plan import Plan
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from dmuon_fn.planning._partition import Plan, partition
+from dmuon_fn.planning._partition import partition
+from dmuon_fn.planning._plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = ROOT.parent / "shared" / "data" / "model_shapes"
