@@ -80,20 +80,7 @@ class Muon(ModelGroups):
         qk_clip_heads: Mapping[Hashable, ClipHeads] | None = None,
         logit_tracker: LogitTracker | None = None,
     ) -> None:
-        st = dedicated_state(model)
-        if st is None:
-            raise ValueError(
-                "Muon(model) needs dedicate_params(model, mesh, predicate) first: it decides "
-                "which rank owns each matrix. Call dedicate_params, then fully_shard, then Muon"
-            )
-        if st.on_meta():
-            raise ValueError(
-                "Muon(model): the dedicated parameters are still on the meta device. Give them "
-                "storage and values first: model.to_empty(device=...), then the model's init "
-                "(dmuon_fn.init_weights(model, fn, seed=...) for values independent of the "
-                "world size), then Muon"
-            )
-        st.sync_copies("Muon")  # a meta model's copies, now that it is initialized
+        st = _ready(model, gather_in_step)
         ns = NSConfig(ns_steps, coefficients, method=ns_method, kernel=ns_kernel, dtype=ns_dtype)
         self.config = Config(
             lr=lr,
@@ -114,16 +101,6 @@ class Muon(ModelGroups):
             qk_clip_alpha=qk_clip_alpha,
             qk_clip_heads=qk_clip_heads or (),
         )
-        if gather_in_step and st.replicate_group is not None:
-            raise ValueError(
-                "gather_in_step=True runs on a 1-D mesh; under HSDP each step's publish already "
-                "moves the new values in the background (replicate_async)"
-            )
-        if gather_in_step and st.scheduler.depth < 1:
-            raise ValueError(
-                "gather_in_step=True needs dedicate_params(..., prefetch >= 1): with prefetch 0 "
-                "every gather blocks where it is issued"
-            )
         self.st: DedicatedState = st
         self.replicate_async = replicate_async
         self.gather_in_step = bool(gather_in_step)
@@ -300,6 +277,36 @@ class Muon(ModelGroups):
             flight.wait()
         for e in self.st.entries:
             e.wait_publish()
+
+
+def _ready(model: nn.Module, gather_in_step: bool) -> DedicatedState:
+    """`model`'s dedicated state, checked for a `Muon` (dedicated, off the meta device, a 1-D
+    mesh and prefetch for gather_in_step), its replicas' copies made equal."""
+    st = dedicated_state(model)
+    if st is None:
+        raise ValueError(
+            "Muon(model) needs dedicate_params(model, mesh, predicate) first: it decides "
+            "which rank owns each matrix. Call dedicate_params, then fully_shard, then Muon"
+        )
+    if st.on_meta():
+        raise ValueError(
+            "Muon(model): the dedicated parameters are still on the meta device. Give them "
+            "storage and values first: model.to_empty(device=...), then the model's init "
+            "(dmuon_fn.init_weights(model, fn, seed=...) for values independent of the "
+            "world size), then Muon"
+        )
+    if gather_in_step and st.replicate_group is not None:
+        raise ValueError(
+            "gather_in_step=True runs on a 1-D mesh; under HSDP each step's publish already "
+            "moves the new values in the background (replicate_async)"
+        )
+    if gather_in_step and st.scheduler.depth < 1:
+        raise ValueError(
+            "gather_in_step=True needs dedicate_params(..., prefetch >= 1): with prefetch 0 "
+            "every gather blocks where it is issued"
+        )
+    st.sync_copies("Muon")  # a meta model's copies, now that it is initialized
+    return st
 
 
 def _heavy_first(st: DedicatedState, group: dict, p: Tensor) -> tuple[bool, int]:
