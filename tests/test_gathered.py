@@ -388,6 +388,8 @@ def _claims(shapes: dict, world: int, replicas: int) -> None:
         ]
     for name, pieces in plan.sliced:  # a parameter's pieces: distinct columns, covering it
         assert len({plan.slot(p) % G for p in pieces}) == len(pieces), name
-        cuts = [parse_piece(p) for p in pieces]
-        assert cuts[0].start == 0 and cuts[-1].stop == shapes[name][cuts[0].dim]
+        x = torch.arange(math.prod(shapes[name])).view(shapes[name])  # each element once
+        got = torch.cat([x[parse_piece(p).index].reshape(-1) for p in pieces])
+        assert torch.equal(got.sort().values, x.reshape(-1)), name
+        assert all(tuple(x[parse_piece(p).index].shape) == plan.shape(p) for p in pieces), name
     assert plan.digest() == dmuon.partition(shapes, world, replicate_size=replicas).digest()

@@ -7,7 +7,6 @@ hand-computed layer keys, costs and schedules.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import subprocess
@@ -130,15 +129,20 @@ def test_every_parameter_has_exactly_one_owner_in_range(named, shards, reps):
     assert plan.names == tuple(units) and set(sliced) <= set(named)
     owned = [n for s in range(world) for n in owned_by(plan, s)]
     assert sorted(owned) == units
-    for n, pieces in sliced.items():  # contiguous cover of the cut dim, one per shard column
-        d = parse_piece(pieces[0]).dim  # a batch's dim 0, or a team's long side
-        assert (d != 0 or max(named[n]) == named[n][0]) if n in plan.teams else d == 0
-        bounds = [parse_piece(p)[1:3] for p in pieces]
-        assert bounds[0][0] == 0 and bounds[-1][1] == named[n][d] and len(pieces) >= 2
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-        assert [plan.shapes[plan.names.index(p)] for p in pieces] == [
-            (*named[n][:d], b - a, *named[n][d + 1 :]) for a, b in bounds
-        ]
+    for n, pieces in sliced.items():  # an exact cover in order, one piece per shard column
+        cuts = [parse_piece(p) for p in pieces]
+        if n in plan.teams:  # along the long side
+            d = cuts[0].dim
+            assert {c.dim for c in cuts} == {d} and (d != 0 or max(named[n]) == named[n][0])
+        else:  # a batch's dim 0, or one expert's rows (§12)
+            assert all(c.dim == 0 or (c.outer and c.outer[1] - c.outer[0] == 1) for c in cuts)
+        x = torch.arange(math.prod(named[n])).view(named[n])  # each element once
+        assert torch.equal(
+            torch.cat([x[c.index].reshape(-1) for c in cuts]).sort().values, x.reshape(-1)
+        )
+        at = [(*c.offsets, 0)[:2] for c in cuts]
+        assert at == sorted(at) and len(set(at)) == len(at) >= 2  # in order
+        assert [plan.shape(p) for p in pieces] == [tuple(x[c.index].shape) for c in cuts]
         assert len({plan.coords(plan.slot(p))[0] for p in pieces}) == len(pieces) <= shards
         if n in plan.teams:  # a team's members are in one replica
             assert len({plan.coords(plan.slot(p))[1] for p in pieces}) == 1
