@@ -165,20 +165,24 @@ def test_object_api_steps_gathered_groups_like_one_process(hsdp, z3, teams):
     assert sum(r["ns"] for r in results) == STEPS * (5 + teams.get(WIDE_W, 0))
 
 
-def _functional(rank: int, world: int, hsdp: bool, teams: dict, experts=None) -> dict:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
+def _fn_setup(world: int, hsdp: bool, teams: dict, experts):
+    """The functional face on this rank: (plan, state, value_and_grad of the loss)."""
     shard, rep = _meshes(world, hsdp)
     model = _model(bool(teams), experts)
     fp = dmuon.plan(model, shard, replicate_mesh=rep, teams=teams)
     cfg = dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
-    state = dmuon.init(model, fp, cfg)
 
     def loss_fn(params, batch):
         x, y = batch
         return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean()
 
-    vg = dmuon.value_and_grad(loss_fn, fp)
+    return fp, dmuon.init(model, fp, cfg), dmuon.value_and_grad(loss_fn, fp)
+
+
+def _functional(rank: int, world: int, hsdp: bool, teams: dict, experts=None) -> dict:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fp, state, vg = _fn_setup(world, hsdp, teams, experts)
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("aot_eager")
     step = torch.compile(
@@ -253,18 +257,7 @@ def test_a_gathered_checkpoint_loads_into_whole_owners_and_back(tmp_path):
 def _fn_checkpoint(rank: int, world: int, path: str, save: bool, experts) -> dict:
     """The functional face: `save`, steps [0, 2) then save_state; else load_state into a fresh
     state; then steps [2, STEPS); the values loaded and after, whole, with the plan's groups."""
-    _gathered.MIN_PIECE_BYTES = 0
-    model = _model(experts=experts)
-    fp = dmuon.plan(model, init_device_mesh("cpu", (world,)))
-    state = dmuon.init(
-        model, fp, dmuon.Config(lr=LR, weight_decay=0.0, ns=NSConfig(dtype=torch.float32))
-    )
-
-    def loss_fn(params, batch):
-        x, y = batch
-        return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean()
-
-    vg = dmuon.value_and_grad(loss_fn, fp)
+    fp, state, vg = _fn_setup(world, False, {}, experts)
 
     def train(steps, state):
         for i in steps:

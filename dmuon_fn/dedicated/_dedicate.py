@@ -15,7 +15,7 @@ from ..ns._blocks import Blocks, block_shapes, model_blocks
 from ..ns._dispatch import agreed_gram
 from ..planning._check import check_plan_consistent
 from ..planning._partition import partition
-from ..planning._slices import parse_piece, take
+from ..planning._slices import parse_piece
 from ..planning._summary import PlanSummary
 from ..planning._summary import plan_summary as _summarize
 from ..planning._tensor import LOCAL
@@ -144,15 +144,14 @@ def dedicate_params(
         pieces = plan.pieces(names[0])
         dt = param_dtype or old.dtype
         for piece in pieces:
-            part, e_names = old, names
-            if len(pieces) > 1:
-                part, e_names = take(old, piece), (piece,)
+            cut = parse_piece(piece) if len(pieces) > 1 else None
+            part, e_names = (old, names) if cut is None else (old[cut.index], (piece,))
             owner, device = st.view.coords(piece), _mesh_device(mesh, old.device)
             e = Entry(
                 piece, tuple(e_names), part.shape, dt, reduce_dtype or dt, *owner, part, device
             )
-            if len(pieces) > 1:
-                e.piece, e.whole = parse_piece(piece), old.shape
+            if cut is not None:
+                e.piece, e.whole = cut, old.shape
             if tp is not None:
                 e.tp = make_layout(p, tp, plan.tensor_slot(names[0]))
             e.param = _held(st, e, part, old.requires_grad)

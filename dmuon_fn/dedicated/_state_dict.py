@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm._mesh import master_dtype
-from ..planning._slices import parse_piece, take
+from ..planning._slices import parse_piece
 from ._state import DedicatedState, Entry
 
 _FLAT = "_dmuon_flat_mesh"
@@ -70,7 +70,7 @@ def _regions(e: Entry, start: int, stop: int):
     """(index into the piece, index into the shard of rows [start, stop)) of the part of `e`
     (a piece or a whole parameter) in those rows of its parameter, or None if they share none."""
     index = () if e.piece is None else e.piece.index
-    a = (index[0].start or 0) if index else 0  # the piece's rows [a, a + its dim 0)
+    a = 0 if e.piece is None else e.piece.offsets[0]  # the piece's rows [a, a + its dim 0)
     lo, hi = max(a, start), min(a + e.shape[0], stop)
     if lo >= hi:
         return None
@@ -154,7 +154,7 @@ def load_whole(st: DedicatedState, es: list[Entry], value: Tensor, key: str, put
         if not isinstance(value, DTensor):
             for e in es:
                 if (t := target(e)) is not None:
-                    part = value.detach() if e.piece is None else take(value.detach(), e.name)
+                    part = value.detach() if e.piece is None else value.detach()[e.piece.index]
                     t.copy_(part.to(t.device, t.dtype))
             return
         replicas = (lambda e: (e.owner_replica,)) if put else (lambda e: range(st.replicate_size))

@@ -83,15 +83,15 @@ def join(pieces: Sequence[str], values: Sequence):
     the pieces of one batch piece concatenated along dim 1, then all along their cut dim."""
     if len(values) == 1:
         return values[0]
+    cuts = [parse_piece(p) for p in pieces]
     runs: list[tuple[tuple[int, int] | None, list]] = []
-    for p, v in zip(pieces, values, strict=True):
-        outer = parse_piece(p).outer
-        if outer is not None and runs and runs[-1][0] == outer:
+    for c, v in zip(cuts, values, strict=True):
+        if c.outer is not None and runs and runs[-1][0] == c.outer:
             runs[-1][1].append(v)
         else:
-            runs.append((outer, [v]))
+            runs.append((c.outer, [v]))
     parts = [torch.cat(vs, 1) if o is not None else vs[0] for o, vs in runs]
-    dim = 0 if any(o is not None for o, _ in runs) else parse_piece(pieces[0]).dim
+    dim = 0 if any(c.outer is not None for c in cuts) else cuts[0].dim
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
